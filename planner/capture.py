@@ -1,0 +1,182 @@
+"""Model + example inputs -> torch.fx.GraphModule.
+
+`torch.fx.symbolic_trace` first (it keeps module calls as nodes, so graphs of
+hand-written models read well); when it fails, or gives a graph whose output
+differs from the model's, `torch.export.export(..., strict=False).module()`,
+which handles transformers models. Capture happens in training mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError, InputError
+from .state import ModelState
+
+__all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A captured graph and how it was obtained."""
+
+    graph_module: fx.GraphModule
+    method: str
+    """'symbolic_trace' or 'export'."""
+    fallback_reason: str | None
+    """Why symbolic_trace was not used (None when it was)."""
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
+    """Example inputs as (args, kwargs): a tuple/list of args, a dict of kwargs, or one tensor.
+
+    With None, the model's `example_input_array` attribute is used (the Lightning convention).
+    """
+    if example_inputs is None and model is not None:
+        example_inputs = getattr(model, "example_input_array", None)
+        if example_inputs is None:
+            raise InputError(
+                "example_inputs: none given and the model has no `example_input_array`; "
+                "pass a tensor, a tuple of positional args or a dict of kwargs"
+            )
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    raise InputError(
+        f"example_inputs: expected a tensor, a tuple of args or a dict of kwargs, got {type(example_inputs).__name__}"
+    )
+
+
+def _key_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.device.type != "meta" and not torch.equal(x, y):
+                return False
+    return True
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    gm = fx.symbolic_trace(model)
+    is_meta = any(t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    if not is_meta:
+        # symbolic_trace can silently bake in control flow; check it on the real inputs.
+        with ModelState(model).preserved(), torch.no_grad():
+            rng = torch.get_rng_state()
+            expected = model(*args, **kwargs)
+            torch.set_rng_state(rng)
+            got = gm(*args, **kwargs)
+        if not _same_outputs(expected, got):
+            raise RuntimeError("the traced graph's output differs from the model's (control flow on the inputs)")
+    return gm
+
+
+def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str = "auto") -> Capture:
+    """Capture `model` in training mode as an fx.GraphModule.
+
+    method: 'auto' (symbolic_trace, then export), 'symbolic_trace' or 'export'.
+    """
+    if method not in ("auto", "symbolic_trace", "export"):
+        raise InputError(f"method: {method!r} is not one of 'auto', 'symbolic_trace', 'export'")
+    args, kwargs = normalize_inputs(example_inputs, model)
+    was_training = model.training
+    model.train()
+    reason = None
+    try:
+        if method in ("auto", "symbolic_trace"):
+            try:
+                gm = _trace(model, args, kwargs)
+                return Capture(gm, "symbolic_trace", None, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - any trace failure means: try export
+                if method == "symbolic_trace":
+                    raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
+                reason = _key_line(e)
+        try:
+            with ModelState(model).preserved():
+                ep = torch.export.export(model, args, kwargs, strict=False)
+            gm = ep.module()
+            _rebind_state(gm, model)
+            return Capture(gm, "export", reason, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - reported with both causes
+            tried = f"symbolic_trace: {reason}; " if reason else ""
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: {tried}torch.export: {_key_line(e)}. "
+                "Make the data-dependent construct static (fixed shapes, no branching on tensor values) "
+                "or wrap it in a submodule and plan the rest"
+            ) from e
+    finally:
+        model.train(was_training)
+
+
+def _rebind_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Make the captured module hold the model's own parameter and buffer objects."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    for name, value in list(gm.named_parameters(remove_duplicate=False)) + list(
+        gm.named_buffers(remove_duplicate=False)
+    ):
+        target = own.get(name)
+        if target is None or target is value:
+            continue
+        *path, leaf = name.split(".")
+        mod = gm
+        for p in path:
+            mod = getattr(mod, p)
+        if isinstance(target, torch.nn.Parameter):
+            mod._parameters[leaf] = target
+        else:
+            mod._buffers[leaf] = target
+
+
+def flatten_for_graph(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """The values of the graph's placeholders, in order, for (args, kwargs)."""
+    codegen = gm.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((args, kwargs), info.in_spec))
+    import inspect
+
+    bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    for name in names:
+        key = name.lstrip("*")
+        values.append(bound.arguments.get(key))
+    return values
+
+
+@contextlib.contextmanager
+def training_mode(model: torch.nn.Module, mode: bool = True):
+    was = model.training
+    model.train(mode)
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,40 @@
+"""The errors the planner raises; each message names the field or input at fault."""
+
+from __future__ import annotations
+
+from solvers.registry import InfeasibleBudgetError, UnknownSolverError
+
+__all__ = [
+    "PlannerError",
+    "InputError",
+    "CaptureError",
+    "ProfileError",
+    "PlanFileError",
+    "PlanMismatchError",
+    "InfeasibleBudgetError",
+    "UnknownSolverError",
+]
+
+
+class PlannerError(RuntimeError):
+    """Base of the planner's runtime failures."""
+
+
+class InputError(ValueError):
+    """A bad argument or input (shape, dtype, budget, path); the message names it."""
+
+
+class CaptureError(PlannerError):
+    """Neither symbolic_trace nor torch.export could capture the model."""
+
+
+class ProfileError(PlannerError):
+    """Running a node of the captured graph failed; the message names the node."""
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be read (missing, corrupt, wrong schema)."""
+
+
+class PlanMismatchError(ValueError):
+    """A plan applied to a model whose graph differs from the one it was made for."""

@@ -1,0 +1,162 @@
+"""The cost graph: a frozen, typed record of what profiling measured, and its solvers.Problem."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from solvers.problem import Node, Problem, Storage
+
+__all__ = ["NodeCost", "StorageCost", "CostGraph"]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One compute node of the captured graph and its measured costs."""
+
+    name: str
+    op: str
+    """fx op: call_function, call_method or call_module."""
+    target: str
+    module: str
+    """Module path the node belongs to ('' for the root)."""
+    time: float
+    """Forward seconds (median of timed runs, or a FLOP/bandwidth estimate in meta mode)."""
+    flops: float
+    out_bytes: int
+    """Bytes of new storages in the node's output (views add none)."""
+    temp_bytes: int
+    """Transient bytes while the node runs, beyond what it leaves allocated."""
+    grad_bytes: int
+    """Bytes of the gradient of the node's new outputs."""
+    inputs: tuple[int, ...]
+    reads: tuple[int, ...]
+    """Storage indices the node reads."""
+    recomputable: bool
+    shapes: list = field(default_factory=list, compare=False, hash=False)
+    dtype: str = ""
+    is_output: bool = False
+    param_grad_bytes: int = 0
+    """Bytes of parameter gradients made first by this node's backward."""
+
+
+@dataclass(frozen=True)
+class StorageCost:
+    producer: int
+    nbytes: int
+    last_use: int
+    saved_by: tuple[int, ...]
+    is_output: bool
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Per-node costs of one training step of a captured graph."""
+
+    nodes: tuple[NodeCost, ...]
+    storages: tuple[StorageCost, ...]
+    param_bytes: int
+    """Parameters and buffers (bytes), resident for the whole step."""
+    input_bytes: int
+    time_source: str
+    """'measured' (timed runs) or 'flops' (meta mode estimate)."""
+    device: str
+
+    @property
+    def saved_bytes(self) -> list[int]:
+        """Per node: bytes of the storages it made that autograd keeps for backward."""
+        out = [0] * len(self.nodes)
+        for st in self.storages:
+            if st.saved_by:
+                out[st.producer] += st.nbytes
+        return out
+
+    @property
+    def total_saved_bytes(self) -> int:
+        """All activation bytes autograd saves for backward, each storage counted once."""
+        return sum(st.nbytes for st in self.storages if st.saved_by)
+
+    @property
+    def total_time(self) -> float:
+        return sum(n.time for n in self.nodes)
+
+    @property
+    def param_grad_bytes(self) -> int:
+        return sum(n.param_grad_bytes for n in self.nodes)
+
+    def to_problem(self, *, optimizer_bytes: int = 0, name: str = "") -> Problem:
+        nodes = tuple(
+            Node(
+                name=n.name,
+                time=n.time,
+                temp_bytes=n.temp_bytes,
+                grad_bytes=n.grad_bytes,
+                param_grad_bytes=n.param_grad_bytes,
+                inputs=n.inputs,
+                reads=n.reads,
+                is_output=n.is_output,
+                recomputable=n.recomputable,
+                module=n.module,
+                flops=n.flops,
+            )
+            for n in self.nodes
+        )
+        storages = tuple(
+            Storage(producer=s.producer, nbytes=s.nbytes, last_use=s.last_use, saved_by=s.saved_by, is_output=s.is_output)
+            for s in self.storages
+        )
+        return Problem(
+            nodes=nodes,
+            storages=storages,
+            param_bytes=self.param_bytes,
+            input_bytes=self.input_bytes,
+            optimizer_bytes=optimizer_bytes,
+            name=name,
+        )
+
+    def fingerprint(self) -> str:
+        """Structure and sizes of the graph (not the times): equal for the same model and shapes."""
+        return self.to_problem().fingerprint()
+
+    def digraph(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for i, n in enumerate(self.nodes):
+            g.add_node(i, name=n.name)
+            for j in n.inputs:
+                g.add_edge(j, i)
+        return g
+
+    def cut_bytes(self) -> list[int]:
+        """Bytes live across the boundary after each node (see solvers.Problem.cut_bytes)."""
+        return self.to_problem().cut_bytes()
+
+    def articulation_points(self) -> list[int]:
+        return self.to_problem().articulation_points()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time_source": self.time_source,
+            "device": self.device,
+            "param_bytes": self.param_bytes,
+            "input_bytes": self.input_bytes,
+            "nodes": [asdict(n) for n in self.nodes],
+            "storages": [asdict(s) for s in self.storages],
+        }
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per node for printing: name, op, module, saved/out bytes, time, FLOPs."""
+        saved = self.saved_bytes
+        return [
+            {
+                "node": n.name,
+                "target": n.target,
+                "module": n.module,
+                "saved_bytes": saved[i],
+                "out_bytes": n.out_bytes,
+                "time_s": n.time,
+                "flops": n.flops,
+            }
+            for i, n in enumerate(self.nodes)
+        ]

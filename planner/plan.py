@@ -1,0 +1,295 @@
+"""The Plan: what to recompute, the predicted figures, and the checkpointed module.
+
+A plan file is JSON (schema `ckpt-planner/plan`, version 1) holding the
+solver and its settings, the budget, the regions by node name and module
+path, the predicted figures and a fingerprint of the graph it was made for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .errors import PlanFileError, PlanMismatchError
+
+__all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
+
+SCHEMA = "ckpt-planner/plan"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """A recomputed run of nodes, by index in the graph's compute order and by name."""
+
+    start: int
+    end: int
+    first_node: str
+    last_node: str
+    modules: tuple[str, ...]
+    """Module paths the region covers, outermost first."""
+    depth: int = 0
+    """0 for a top-level region, 1 for one nested inside it, ..."""
+    recompute_s: float = 0.0
+    saved_bytes: int = 0
+    """Bytes the region's nodes would otherwise keep for backward."""
+
+
+def graph_fingerprint(gm: fx.GraphModule, example: list[Any]) -> str:
+    """Hash of the captured graph's compute nodes, their wiring, and the input shapes."""
+    items: list[Any] = []
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module", "placeholder", "get_attr"):
+            target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+            items.append([n.op, n.name, str(target), [a.name for a in n.all_input_nodes]])
+    for t in example:
+        if isinstance(t, torch.Tensor):
+            items.append([list(t.shape), str(t.dtype)])
+    return hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:20]
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Plan:
+    """A checkpointing plan and (when built) the module that executes it.
+
+    Figures come from the simulator: bytes and seconds.
+    """
+
+    solver: str
+    budget_bytes: int | None
+    baseline_peak_bytes: int
+    predicted_peak_bytes: int
+    predicted_recompute_s: float
+    baseline_step_s: float
+    """Forward time of the graph (seconds): recompute overhead is relative to it."""
+    regions: tuple[Region, ...]
+    fingerprint: str
+    capture_method: str
+    solve_time_s: float = 0.0
+    solver_options: dict[str, Any] = field(default_factory=dict)
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """Bytes per category at the predicted peak (parameters, param_grads, activations, ...)."""
+    baseline_breakdown: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict)
+    time_source: str = "measured"
+    num_nodes: int = 0
+    model_name: str = ""
+    module: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+    """The checkpointed module (None for a plan loaded from a file until `rebuild`)."""
+    measured_peak_bytes: int | None = None
+    baseline_measured_peak_bytes: int | None = None
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.baseline_peak_bytes - self.predicted_peak_bytes
+
+    @property
+    def recompute_overhead(self) -> float:
+        """Recompute time as a fraction of the forward time."""
+        return self.predicted_recompute_s / self.baseline_step_s if self.baseline_step_s > 0 else 0.0
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [(r.start, r.end) for r in self.regions]
+
+    # -- reporting ---------------------------------------------------------
+    def summary(self) -> str:
+        """A table a person reads in ten seconds."""
+        rows = [
+            ("model", f"{self.model_name or '-'} ({self.num_nodes} nodes, {self.capture_method})"),
+            ("solver", f"{self.solver} (solved in {self.solve_time_s:.2f} s)"),
+            ("budget", _fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none (knee of the curve)"),
+            (
+                "peak memory, no checkpointing",
+                f"{_fmt_bytes(self.baseline_peak_bytes)} predicted"
+                + (f", {_fmt_bytes(self.baseline_measured_peak_bytes)} measured" if self.baseline_measured_peak_bytes else ""),
+            ),
+            (
+                "peak memory, this plan",
+                f"{_fmt_bytes(self.predicted_peak_bytes)} predicted"
+                + (f", {_fmt_bytes(self.measured_peak_bytes)} measured" if self.measured_peak_bytes else ""),
+            ),
+            (
+                "memory saved",
+                f"{_fmt_bytes(self.saved_bytes)} ({100 * self.saved_bytes / max(1, self.baseline_peak_bytes):.1f} %)",
+            ),
+            (
+                "recompute overhead",
+                f"{self.predicted_recompute_s * 1e3:.1f} ms = {100 * self.recompute_overhead:.1f} % of the forward"
+                + (" (FLOP estimate)" if self.time_source == "flops" else ""),
+            ),
+            ("recomputed regions", f"{len(self.regions)} ({sum(1 for r in self.regions if r.depth) } nested)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # -- files ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "capture_method": self.capture_method,
+            "num_nodes": self.num_nodes,
+            "solver": self.solver,
+            "solver_options": self.solver_options,
+            "solve_time_s": self.solve_time_s,
+            "budget_bytes": self.budget_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_recompute_s": self.predicted_recompute_s,
+            "baseline_step_s": self.baseline_step_s,
+            "time_source": self.time_source,
+            "breakdown": self.breakdown,
+            "baseline_breakdown": self.baseline_breakdown,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "baseline_measured_peak_bytes": self.baseline_measured_peak_bytes,
+            "notes": list(self.notes),
+            "stats": _jsonable(self.stats),
+            "regions": [
+                {
+                    "start": r.start,
+                    "end": r.end,
+                    "first_node": r.first_node,
+                    "last_node": r.last_node,
+                    "modules": list(r.modules),
+                    "depth": r.depth,
+                    "recompute_s": r.recompute_s,
+                    "saved_bytes": r.saved_bytes,
+                }
+                for r in self.regions
+            ],
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan as JSON; atomic: an existing file is replaced only when the write succeeded."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=2)
+        directory = path.parent if str(path.parent) else Path(".")
+        if not directory.is_dir():
+            raise PlanFileError(f"plan path {str(path)!r}: directory {str(directory)!r} does not exist")
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "plan") -> Plan:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise PlanFileError(f"{source}: not a ckpt-planner plan (schema field missing or wrong)")
+        if data.get("version") != SCHEMA_VERSION:
+            raise PlanFileError(f"{source}: plan schema version {data.get('version')!r}, this planner reads {SCHEMA_VERSION}")
+        try:
+            regions = tuple(
+                Region(
+                    start=int(r["start"]),
+                    end=int(r["end"]),
+                    first_node=str(r["first_node"]),
+                    last_node=str(r["last_node"]),
+                    modules=tuple(r.get("modules", ())),
+                    depth=int(r.get("depth", 0)),
+                    recompute_s=float(r.get("recompute_s", 0.0)),
+                    saved_bytes=int(r.get("saved_bytes", 0)),
+                )
+                for r in data["regions"]
+            )
+            return cls(
+                solver=str(data["solver"]),
+                budget_bytes=data["budget_bytes"],
+                baseline_peak_bytes=int(data["baseline_peak_bytes"]),
+                predicted_peak_bytes=int(data["predicted_peak_bytes"]),
+                predicted_recompute_s=float(data["predicted_recompute_s"]),
+                baseline_step_s=float(data.get("baseline_step_s", 0.0)),
+                regions=regions,
+                fingerprint=str(data["fingerprint"]),
+                capture_method=str(data["capture_method"]),
+                solve_time_s=float(data.get("solve_time_s", 0.0)),
+                solver_options=dict(data.get("solver_options", {})),
+                breakdown=dict(data.get("breakdown", {})),
+                baseline_breakdown=dict(data.get("baseline_breakdown", {})),
+                notes=tuple(data.get("notes", ())),
+                stats=dict(data.get("stats", {})),
+                time_source=str(data.get("time_source", "measured")),
+                num_nodes=int(data.get("num_nodes", 0)),
+                model_name=str(data.get("model", "")),
+                measured_peak_bytes=data.get("measured_peak_bytes"),
+                baseline_measured_peak_bytes=data.get("baseline_measured_peak_bytes"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFileError(f"{source}: corrupt plan file, field {e} missing or malformed") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        """Read a plan file; the module is built later with `rebuild(model, example_inputs)`."""
+        path = Path(path)
+        if not path.is_file():
+            raise PlanFileError(f"plan file {str(path)!r} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PlanFileError(f"plan file {str(path)!r} is not valid JSON ({e.__class__.__name__}: {e})") from None
+        return cls.from_dict(data, source=f"plan file {str(path)!r}")
+
+    def rebuild(self, model: torch.nn.Module, example_inputs: Any = None) -> torch.nn.Module:
+        """Build the checkpointed module for `model` (a fresh instance of the planned model).
+
+        Raises PlanMismatchError when the model's graph differs from the one the plan was made for.
+        """
+        from .capture import capture, flatten_for_graph
+        from .rewrite import compute_nodes, rewrite
+
+        method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
+        cap = capture(model, example_inputs, method=method)
+        fp = graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
+        if fp != self.fingerprint:
+            raise PlanMismatchError(
+                f"plan fingerprint {self.fingerprint} was made for another model or input shape "
+                f"(this model's graph: {fp}); re-plan with optimize() or `ckpt-planner plan`"
+            )
+        nodes = compute_nodes(cap.graph_module.graph)
+        for r in self.regions:
+            if r.end >= len(nodes) or nodes[r.start].name != r.first_node or nodes[r.end].name != r.last_node:
+                raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
+        self.module = rewrite(cap.graph_module, self.spans(), model=model)
+        return self.module
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        return str(obj)

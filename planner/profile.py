@@ -1,0 +1,356 @@
+"""Per-node costs of a captured graph: bytes saved for backward, output bytes, time, FLOPs.
+
+`CostProfiler` is an fx.Interpreter that runs the graph once with a
+`saved_tensors_hooks` pack hook around each node and a live-storage counter,
+then several times more for timing. Storages are identified by their
+StorageImpl, so a saved tensor is attributed to the node that allocated its
+storage (Linear saves its input: that is the producer's memory) and counted
+once. Parameters, buffers and graph inputs are not activations.
+
+In meta mode the same interpreter runs on fake tensors: byte figures are
+exact, time comes from FLOPs and bytes moved (a roofline), nothing is run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .capture import Capture, flatten_for_graph
+from .errors import ProfileError
+from .graph import CostGraph, NodeCost, StorageCost
+from .memory import LiveMemory, storage_key
+from .state import rng_preserved
+
+__all__ = ["ProfileConfig", "CostProfiler", "profile"]
+
+_NOT_RECOMPUTABLE_MODULES = ("_guards_fn",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """How to measure the per-node costs."""
+
+    warmup: int = 1
+    """Untimed runs before timing (first-call overheads, allocator warm-up)."""
+    repeats: int = 3
+    """Timed runs; each node's time is the median."""
+    meta: bool = False
+    """Run on fake tensors: exact bytes, FLOP-based time, nothing executed."""
+    peak_flops: float | None = None
+    """FLOP/s assumed in meta mode (default: 50e12 for cuda, 1e11 for cpu)."""
+    bandwidth: float | None = None
+    """Bytes/s assumed in meta mode (default: 2e12 for cuda, 2e10 for cpu)."""
+    count_flops: bool = True
+    """Record FLOPs per node with torch's FLOP counter."""
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _clean_path(path)
+    return ""
+
+
+def _clean_path(path: str) -> str:
+    # export paths look like "L['self'].layers[0].attn" or "layers.0.attn"
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    for a, b in (("[", "."), ("]", ""), ("'", "")):
+        path = path.replace(a, b)
+    return path.strip(".")
+
+
+def _mutates_input(node: fx.Node) -> bool:
+    """True for ops that write into one of their arguments (add_, copy_, index_put_...)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+class CostProfiler(fx.Interpreter):
+    """Runs the graph and records, per node, storages made, storages saved and time."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.record = False
+        self.times: dict[str, list[float]] = {}
+        self.sync = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        if not self.record:
+            t0 = time.perf_counter()
+            try:
+                out = super().run_node(n)
+            except Exception as e:
+                raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+            if self.sync is not None:
+                self.sync()
+            self.times.setdefault(n.name, []).append(time.perf_counter() - t0)
+            return out
+        packed: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(t)
+            return t
+
+        before = self.mem.current
+        self.mem.reset_peak()
+        flops0 = self.flops.get_total_flops() if self.flops is not None else 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = super().run_node(n)
+        except Exception as e:
+            raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+        flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
+        self.mem.track(out)
+        self.events[n.name] = (packed, self.mem.peak - before, self.mem.current - before, flops)
+        return out
+
+
+def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.device | None = None) -> CostGraph:
+    """Measure every node of the captured graph; see the module docstring."""
+    config = config or ProfileConfig()
+    gm = cap.graph_module
+    flat = flatten_for_graph(gm, cap.args, cap.kwargs)
+    meta = config.meta or any(t.device.type == "meta" for t in _tensors(flat)) or any(
+        p.device.type == "meta" for p in gm.parameters()
+    )
+    dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
+    with rng_preserved():
+        if meta:
+            return _profile_fake(gm, flat, config, dev)
+        return _profile_real(gm, flat, config, dev)
+
+
+def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
+    ext: dict[int, torch.Tensor] = {}
+    for t in list(gm.parameters()) + list(gm.buffers()) + _tensors(flat):
+        ext[storage_key(t)] = t
+    return ext
+
+
+def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, fake_mode=None):
+    prof = CostProfiler(gm)
+    prof.record = True
+    prof.mem = LiveMemory()
+    prof.events = {}
+    prof.flops = FlopCounterMode(display=False) if config.count_flops else None
+    mem_ctx = prof.mem
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        if prof.flops is not None:
+            stack.enter_context(prof.flops)
+        stack.enter_context(mem_ctx)
+        prof.run(*flat, enable_io_processing=False)
+    return prof
+
+
+def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
+    timer = CostProfiler(gm)
+    if dev.type == "cuda":
+        timer.sync = lambda: torch.cuda.synchronize(dev)
+    for i in range(config.warmup + config.repeats):
+        if i == config.warmup:
+            timer.times.clear()
+        timer.run(*flat, enable_io_processing=False)
+        del timer.env
+        timer.env = {}
+    prof = _run_recording(gm, flat, config)
+    times = {name: statistics.median(ts) for name, ts in timer.times.items()}
+    return _build(gm, flat, prof, times, method="measured", device=str(dev))
+
+
+def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    real_state = {n: t for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+    fakes = {n: fake_mode.from_tensor(t) for n, t in real_state.items()}
+    flat_fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat]
+    # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
+    _swap_state(gm, fakes)
+    try:
+        prof = _run_recording(gm, flat_fake, config, fake_mode)
+        built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
+    finally:
+        _swap_state(gm, real_state)
+    return built
+
+
+def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:
+    for name, value in values.items():
+        *path, leaf = name.split(".")
+        mod = gm
+        for p in path:
+            mod = getattr(mod, p)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = value if isinstance(value, torch.nn.Parameter) else _as_param(value)
+        else:
+            mod._buffers[leaf] = value
+
+
+def _as_param(t: torch.Tensor) -> torch.Tensor:
+    # A fake tensor cannot become an nn.Parameter; modules accept a tensor with requires_grad.
+    return t.requires_grad_(True) if t.is_floating_point() else t
+
+
+def _roofline(flops: float, nbytes: float, dev: str, config: ProfileConfig) -> float:
+    cuda = dev.startswith("cuda")
+    peak = config.peak_flops or (50e12 if cuda else 1e11)
+    bw = config.bandwidth or (2e12 if cuda else 2e10)
+    return max(flops / peak, nbytes / bw)
+
+
+def _build(
+    gm: fx.GraphModule,
+    flat: list[Any],
+    prof: CostProfiler,
+    times: dict[str, float] | None,
+    *,
+    method: str,
+    device: str,
+    config: ProfileConfig | None = None,
+) -> CostGraph:
+    env = prof.env
+    external = _external_keys(gm, flat)
+    params = {storage_key(p): p for p in gm.parameters() if p.requires_grad}
+    compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    index = {n.name: i for i, n in enumerate(compute)}
+    owner: dict[int, int] = {}  # storage key -> storage index
+    storages: list[dict[str, Any]] = []
+    nodes: list[dict[str, Any]] = []
+    param_reader: dict[int, int] = {}
+    for i, n in enumerate(compute):
+        value = env[n]
+        packed, peak_extra, kept_extra, flops = prof.events[n.name]
+        reads: list[int] = []
+        in_bytes = 0
+        for arg in n.all_input_nodes:
+            for t in _tensors(env.get(arg)):
+                key = storage_key(t)
+                in_bytes += t.numel() * t.element_size()
+                if key in owner and owner[key] not in reads:
+                    reads.append(owner[key])
+                if key in params:
+                    param_reader[key] = i
+        if n.op == "call_module":
+            for p in gm.get_submodule(n.target).parameters():
+                if p.requires_grad:
+                    param_reader[storage_key(p)] = i
+        out_bytes, grad_bytes = 0, 0
+        for t in _tensors(value):
+            key = storage_key(t)
+            if key in external or key in owner:
+                continue
+            owner[key] = len(storages)
+            nbytes = t.untyped_storage().nbytes()
+            storages.append({"producer": i, "nbytes": nbytes, "last_use": i, "saved_by": set(), "is_output": False})
+            out_bytes += nbytes
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                grad_bytes += t.numel() * t.element_size()
+        saved_bytes = 0
+        for t in packed:
+            key = storage_key(t)
+            if key in external:
+                continue
+            if key not in owner:  # made and kept inside the op (a dropout mask, softmax stats)
+                owner[key] = len(storages)
+                storages.append(
+                    {"producer": i, "nbytes": t.untyped_storage().nbytes(), "last_use": i, "saved_by": set(), "is_output": False}
+                )
+            storages[owner[key]]["saved_by"].add(i)
+        for s in reads:
+            storages[s]["last_use"] = max(storages[s]["last_use"], i)
+        temp = max(0, peak_extra - kept_extra)
+        fwd_time = times.get(n.name, 0.0) if times is not None else _roofline(flops, in_bytes + out_bytes, device, config)
+        recomputable = not (
+            (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
+            or (_mutates_input(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
+        )
+        nodes.append(
+            {
+                "name": n.name,
+                "op": n.op,
+                "target": _target_name(n),
+                "module": _module_path(n),
+                "time": fwd_time,
+                "flops": float(flops),
+                "out_bytes": out_bytes,
+                "temp_bytes": temp,
+                "grad_bytes": grad_bytes,
+                "inputs": sorted({index[a.name] for a in n.all_input_nodes if a.name in index}),
+                "reads": sorted(reads),
+                "recomputable": recomputable,
+                "shapes": [list(t.shape) for t in _tensors(value)][:4],
+                "dtype": str(_tensors(value)[0].dtype).replace("torch.", "") if _tensors(value) else "",
+            }
+        )
+        del saved_bytes
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for t in _tensors(env.get(output_node, None)) if output_node in env else []:
+        key = storage_key(t)
+        if key in owner:
+            storages[owner[key]]["is_output"] = True
+    for arg in output_node.all_input_nodes:
+        if arg.name in index:
+            nodes[index[arg.name]]["is_output"] = True
+    pgrad = [0] * len(nodes)
+    for key, i in param_reader.items():
+        p = params[key]
+        pgrad[i] += p.numel() * p.element_size()
+    node_costs = tuple(
+        NodeCost(param_grad_bytes=pgrad[i], **{**d, "inputs": tuple(d["inputs"]), "reads": tuple(d["reads"])})
+        for i, d in enumerate(nodes)
+    )
+    storage_costs = tuple(
+        StorageCost(
+            producer=d["producer"],
+            nbytes=d["nbytes"],
+            last_use=d["last_use"],
+            saved_by=tuple(sorted(d["saved_by"])),
+            is_output=d["is_output"],
+        )
+        for d in storages
+    )
+    param_bytes = sum(
+        t.untyped_storage().nbytes() for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
+    )
+    input_bytes = sum(t.untyped_storage().nbytes() for t in {storage_key(t): t for t in _tensors(flat)}.values())
+    return CostGraph(
+        nodes=node_costs,
+        storages=storage_costs,
+        param_bytes=param_bytes,
+        input_bytes=input_bytes,
+        time_source=method,
+        device=device,
+    )
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    name = getattr(t, "__name__", None) or str(t)
+    mod = getattr(t, "__module__", "") or ""
+    if hasattr(t, "_schema"):
+        return str(t._schema.name) + ("." + t._overloadname if getattr(t, "_overloadname", "default") != "default" else "")
+    return f"{mod}.{name}" if mod and not mod.startswith("torch._ops") else name

@@ -1,0 +1,238 @@
+"""GraphModule + recomputed regions -> checkpointed GraphModule.
+
+Each region becomes a `CheckpointRegion` submodule (`checkpoint_0`, nested
+ones `checkpoint_0_1`) that calls its piece of the graph through
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+preserve_rng_state=True)`. A region owns no parameters: its code reads them
+from the root module, so the checkpointed module shares the original's
+parameter and buffer objects and has the same `state_dict` keys. Buffers a
+region touches (BatchNorm running statistics, `num_batches_tracked`) are
+put back after a recompute, so they are updated once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["CheckpointRegion", "rewrite", "compute_nodes"]
+
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes that profiling and solvers index, in graph order."""
+    return [n for n in graph.nodes if n.op in _COMPUTE_OPS]
+
+
+class CheckpointRegion(torch.nn.Module):
+    """A run of graph nodes executed under non-reentrant activation checkpointing."""
+
+    def __init__(self, graph: fx.Graph, name: str, buffer_names: Sequence[str]) -> None:
+        super().__init__()
+        self.region_name = name
+        self.graph = graph
+        python_code = graph.python_code(root_module="self")
+        self.code = python_code.src
+        from torch.fx.graph_module import _forward_from_src
+
+        object.__setattr__(self, "_fn", _forward_from_src(python_code.src, python_code.globals))
+        object.__setattr__(self, "_root", None)
+        self.buffer_names = tuple(buffer_names)
+
+    def bind(self, root: torch.nn.Module) -> None:
+        object.__setattr__(self, "_root", root)
+
+    def _run(self, *args):
+        return self._fn(self._root, *args)
+
+    def _contexts(self):
+        return contextlib.nullcontext(), _restore_buffers(self._root, self.buffer_names)
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
+            return self._run(*args)
+        return checkpoint(
+            self._run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
+        )
+
+    def __deepcopy__(self, memo):
+        new = CheckpointRegion(copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names)
+        memo[id(self)] = new
+        new.bind(copy.deepcopy(self._root, memo) if self._root is not None else None)
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{self.region_name}: {sum(1 for n in self.graph.nodes if n.op in _COMPUTE_OPS)} nodes"
+
+
+@contextlib.contextmanager
+def _restore_buffers(root: torch.nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """During a recompute: put the buffers back as they were (BatchNorm must not update twice)."""
+    saved = []
+    for name in names:
+        buf = root.get_buffer(name)
+        if buf is not None:
+            saved.append((buf, buf.detach().clone()))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, value in saved:
+                buf.copy_(value)
+
+
+def _attr_path(gm: torch.nn.Module, target: str) -> object:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: torch.nn.Module | None = None) -> fx.GraphModule:
+    """Return a new GraphModule running `regions` (compute-node index ranges) under checkpoint.
+
+    The result shares every parameter, buffer and submodule of `gm`; when
+    `model` is given, any of its state that the graph does not reference is
+    attached too, so `state_dict` keys match the model's.
+    """
+    compute = compute_nodes(gm.graph)
+    regions = sorted({(int(s), int(e)) for s, e in regions}, key=lambda r: (r[0], -r[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # pytree spec deprecation noise on deepcopy
+        new_gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for attr in ("_in_spec", "_out_spec", "meta"):
+        if hasattr(gm, attr) and not hasattr(new_gm, attr):
+            setattr(new_gm, attr, getattr(gm, attr))
+    if model is not None:
+        _attach_missing_state(new_gm, model)
+    state_buffers = {id(b): name for name, b in new_gm.named_buffers(remove_duplicate=False)}
+
+    tree = _region_tree(regions)
+    new_graph = fx.Graph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        new_graph._codegen = copy.deepcopy(gm.graph._codegen)
+    position = {n: i for i, n in enumerate(compute)}
+    env: dict[fx.Node, fx.Node] = {}
+    made: list[CheckpointRegion] = []
+
+    def emit(dst: fx.Graph, nodes: list[fx.Node], subtree: list, prefix: str, local: dict) -> None:
+        """Copy `nodes` into dst; regions of `subtree` become checkpoint_* calls."""
+        owner: dict[fx.Node, int] = {}
+        for r, ((s, e), _) in enumerate(subtree):
+            for m in compute[s : e + 1]:
+                owner[m] = r
+        done: set[int] = set()
+        for n in nodes:
+            r = owner.get(n)
+            if r is not None:
+                if r not in done:
+                    done.add(r)
+                    (s, e), kids = subtree[r]
+                    name = f"{prefix}_{len(done) - 1}"
+                    _emit_region(dst, [m for m in nodes if owner.get(m) == r], kids, name, local)
+                continue
+            if n in local:
+                continue
+            local[n] = dst.node_copy(n, lambda a: local[a])
+
+    def _emit_region(dst: fx.Graph, inside: list[fx.Node], kids: list, name: str, outer: dict) -> None:
+        members = set(inside)
+        inputs: list[fx.Node] = []
+        attrs: list[fx.Node] = []
+        for m in inside:
+            for a in m.all_input_nodes:
+                if a in members:
+                    continue
+                if a.op == "get_attr":
+                    if a not in attrs:
+                        attrs.append(a)
+                elif a not in inputs:
+                    inputs.append(a)
+        outputs = [m for m in inside if any(u not in members for u in m.users)]
+        sub = fx.Graph()
+        local: dict[fx.Node, fx.Node] = {}
+        for a in inputs:
+            local[a] = sub.placeholder(a.name)
+        for a in attrs:
+            local[a] = sub.get_attr(a.target)
+        emit(sub, inside, kids, name, local)
+        sub.output(local[outputs[0]] if len(outputs) == 1 else tuple(local[o] for o in outputs))
+        buffers = _touched_buffers(new_gm, inside, state_buffers)
+        region = CheckpointRegion(sub, name, buffers)
+        new_gm.add_submodule(name, region)
+        made.append(region)
+        call = dst.call_module(name, tuple(outer[a] for a in inputs))
+        if len(outputs) == 1:
+            outer[outputs[0]] = call
+        else:
+            for j, o in enumerate(outputs):
+                outer[o] = dst.call_function(operator.getitem, (call, j))
+        for o in outputs:
+            if o in outer:
+                outer[o].meta = dict(o.meta)
+
+    emit(new_graph, list(gm.graph.nodes), tree, "checkpoint", env)
+    new_gm.graph = new_graph
+    for region in made:
+        region.bind(new_gm)
+    new_gm.recompile()
+    return new_gm
+
+
+def _region_tree(regions: list[tuple[int, int]]) -> list:
+    """Nested list [((s, e), children), ...] from regions sorted outer-first."""
+    root: list = []
+    stack: list[tuple[tuple[int, int], list]] = []
+    for r in regions:
+        while stack and stack[-1][0][1] < r[0]:
+            stack.pop()
+        entry = (r, [])
+        (stack[-1][1] if stack else root).append(entry)
+        stack.append(entry)
+    return root
+
+
+def _touched_buffers(gm: fx.GraphModule, nodes: list[fx.Node], state_buffers: dict[int, str]) -> list[str]:
+    names: list[str] = []
+    for n in nodes:
+        if n.op == "call_module":
+            mod = gm.get_submodule(n.target)
+            for b in mod.buffers():
+                if id(b) in state_buffers:
+                    names.append(state_buffers[id(b)])
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                obj = _attr_path(gm, a.target)
+                if isinstance(obj, torch.Tensor) and id(obj) in state_buffers:
+                    names.append(state_buffers[id(obj)])
+    return sorted(set(names))
+
+
+def _attach_missing_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Give gm every parameter and buffer of model it lacks, under the same name and object."""
+    have = set(gm.state_dict().keys()) | {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    for name, value in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        if name in have:
+            continue
+        *path, leaf = name.split(".")
+        mod: torch.nn.Module = gm
+        for p in path:
+            if not hasattr(mod, p) or not isinstance(getattr(mod, p), torch.nn.Module):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        if isinstance(value, torch.nn.Parameter):
+            mod.register_parameter(leaf, value)
+        else:
+            owner = model.get_submodule(".".join(path)) if path else model
+            mod.register_buffer(leaf, value, persistent=leaf not in owner._non_persistent_buffers_set)

@@ -1,0 +1,57 @@
+"""Snapshot and restore what planning must not change: buffers, grads, mode, RNG."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["ModelState", "rng_preserved"]
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Restore the CPU and CUDA generators afterwards (profiling runs dropout)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class ModelState:
+    """Buffers (values), parameter grads, train/eval flags of every submodule, and RNG."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        model = self.model
+        buffers = [
+            (b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta" and not _is_fake(b)
+        ]
+        grads = [(p, p.grad) for p in model.parameters()]
+        modes = [(m, m.training) for m in model.modules()]
+        with rng_preserved():
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for b, saved in buffers:
+                        if b.shape == saved.shape:
+                            b.copy_(saved)
+                for p, g in grads:
+                    p.grad = g
+                for m, mode in modes:
+                    m.training = mode
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

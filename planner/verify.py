@@ -1,0 +1,205 @@
+"""verify(): one training step of the original and of plan.module side by side.
+
+Both steps start from the same state (buffers, no gradients, RNG), so
+outputs, every parameter gradient and every buffer can be compared exactly.
+Peak memory is `torch.cuda.max_memory_allocated` on CUDA and a live-storage
+count on CPU; both include parameters, buffers and inputs. The model is
+left as it was found.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import normalize_inputs
+from .memory import LiveMemory
+from .plan import Plan
+from .state import ModelState
+
+__all__ = ["Report", "verify", "default_loss", "measure_step"]
+
+
+@dataclass(frozen=True)
+class Report:
+    measured_peak_bytes: int
+    baseline_measured_peak_bytes: int
+    predicted_peak_bytes: int
+    max_abs_grad_diff: float
+    outputs_equal: bool
+    buffers_equal: bool
+    grads_equal: bool
+    """Every gradient bitwise equal (None gradients in the same places)."""
+    step_time_ratio: float
+    """Median step time of plan.module over the original's."""
+    budget_bytes: int | None
+
+    @property
+    def prediction_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(1, self.measured_peak_bytes)
+
+    @property
+    def within_budget(self) -> bool:
+        return self.budget_bytes is None or self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def exact(self) -> bool:
+        return self.outputs_equal and self.buffers_equal and self.grads_equal
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The model's `loss` when it returns one, else the sum of its floating outputs."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    terms = [
+        t.sum()
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+    ]
+    if not terms:
+        raise ValueError("output: no floating tensor that requires grad, nothing to train")
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+def measure_step(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    params: list[torch.nn.Parameter],
+    state: list[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    device: torch.device,
+) -> tuple[int, Any]:
+    """Run forward + backward once; return (peak bytes, output)."""
+    for p in params:
+        p.grad = None
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        resident = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in state + inputs}.values())
+        out = module(*args, **kwargs)
+        loss_fn(out).backward()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before + resident
+        return int(peak), out
+    mem = LiveMemory()
+    mem.track(state, inputs)
+    with mem:
+        out = module(*args, **kwargs)
+        loss_fn(out).backward()
+    return mem.peak, out
+
+
+def _clone(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.shape != y.shape or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def verify(
+    model: torch.nn.Module,
+    plan: Plan,
+    example_inputs: Any = None,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    repeats: int = 3,
+) -> Report:
+    """Run one training step of `model` and of `plan.module` from the same state and compare."""
+    if plan.module is None:
+        raise ValueError("plan.module: the plan has no module; call plan.rebuild(model, example_inputs) first")
+    args, kwargs = normalize_inputs(example_inputs, model)
+    loss_fn = loss_fn or default_loss
+    params = [p for p in model.parameters()]
+    state = params + list(model.buffers())
+    device = next((t.device for t in state), torch.device("cpu"))
+    guard = ModelState(model)
+    with guard.preserved():
+        model.train()
+        plan.module.train()
+        start = [b.detach().clone() for b in model.buffers()]
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+
+        def run(module):
+            with torch.no_grad():
+                for b, v in zip(model.buffers(), start):
+                    b.copy_(v)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            peak, out = measure_step(module, args, kwargs, params, state, loss_fn, device)
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            buffers = [b.detach().clone() for b in model.buffers()]
+            return peak, _clone(out), grads, buffers
+
+        base_peak, out0, grads0, bufs0 = run(model)
+        peak, out1, grads1, bufs1 = run(plan.module)
+        diff = 0.0
+        grads_equal = True
+        for g0, g1 in zip(grads0, grads1):
+            if (g0 is None) != (g1 is None):
+                grads_equal, diff = False, float("inf")
+                continue
+            if g0 is not None:
+                grads_equal &= torch.equal(g0, g1)
+                diff = max(diff, (g0.double() - g1.double()).abs().max().item() if g0.numel() else 0.0)
+        ratio = _time_ratio(model, plan.module, args, kwargs, params, loss_fn, device, repeats, start)
+        for p in params:
+            p.grad = None
+    return Report(
+        measured_peak_bytes=peak,
+        baseline_measured_peak_bytes=base_peak,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        max_abs_grad_diff=diff,
+        outputs_equal=_equal(out0, out1),
+        buffers_equal=all(torch.equal(a, b) for a, b in zip(bufs0, bufs1)),
+        grads_equal=grads_equal,
+        step_time_ratio=ratio,
+        budget_bytes=plan.budget_bytes,
+    )
+
+
+def _time_ratio(model, module, args, kwargs, params, loss_fn, device, repeats, start) -> float:
+    def step(m) -> float:
+        for p in params:
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss_fn(m(*args, **kwargs)).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    base, ours = [], []
+    for _ in range(max(1, repeats)):
+        base.append(step(model))
+        ours.append(step(module))
+    with torch.no_grad():
+        for b, v in zip(model.buffers(), start):
+            b.copy_(v)
+    return statistics.median(ours) / max(1e-12, statistics.median(base))

@@ -1,0 +1,210 @@
+"""Plain-data description of one training step, the input of every solver.
+
+Nodes are the compute operations of the forward graph in topological order.
+Storages are the memory blocks those nodes create; each knows which forward
+node reads it last and which nodes' backward keeps it (autograd saved it).
+Nothing here imports torch: a Problem can be built by hand for any graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Node", "Storage", "Problem", "Solution", "ProblemError"]
+
+
+class ProblemError(ValueError):
+    """A Problem or Solution that is not well formed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One forward operation."""
+
+    name: str
+    """Unique name (the fx node name)."""
+    time: float = 0.0
+    """Forward compute time in seconds; recomputing the node costs this again."""
+    temp_bytes: int = 0
+    """Transient bytes the op allocates and frees while it runs (beyond its outputs)."""
+    grad_bytes: int = 0
+    """Bytes of the gradient of the node's output (0 when it needs none)."""
+    param_grad_bytes: int = 0
+    """Bytes of parameter gradients first materialised by this node's backward."""
+    inputs: tuple[int, ...] = ()
+    """Indices of the nodes whose outputs this node reads (data dependencies)."""
+    reads: tuple[int, ...] = ()
+    """Indices of the storages this node reads, directly or through views."""
+    is_output: bool = False
+    """The node's value is part of the graph's output."""
+    recomputable: bool = True
+    """False for nodes that must not run twice (side effects the rewriter cannot undo)."""
+    module: str = ""
+    """Module path the node belongs to ('' for the root)."""
+    flops: float = 0.0
+    """Floating-point operations of the forward, where known."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A block of memory created by one node during the forward."""
+
+    producer: int
+    """Index of the node that allocates it."""
+    nbytes: int
+    """Size in bytes."""
+    last_use: int
+    """Index of the last node that reads it in the forward (>= producer)."""
+    saved_by: tuple[int, ...] = ()
+    """Nodes whose backward keeps it (autograd saved it for them), sorted."""
+    is_output: bool = False
+    """Part of the graph's output: alive for the whole step."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A training step as solvers see it: nodes, storages and the fixed memory."""
+
+    nodes: tuple[Node, ...]
+    storages: tuple[Storage, ...]
+    param_bytes: int = 0
+    """Parameters and buffers, resident for the whole step."""
+    input_bytes: int = 0
+    """Graph inputs, resident for the whole step."""
+    optimizer_bytes: int = 0
+    """Optimizer state, resident for the whole step (0 when no optimizer is counted)."""
+    name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            for j in node.inputs:
+                if not 0 <= j < i:
+                    raise ProblemError(f"nodes[{i}].inputs: {j} is not an earlier node")
+            for t in node.reads:
+                if not 0 <= t < len(self.storages) or self.storages[t].producer >= i:
+                    raise ProblemError(f"nodes[{i}].reads: {t} is not a storage made by an earlier node")
+        for s, st in enumerate(self.storages):
+            if not 0 <= st.producer < n:
+                raise ProblemError(f"storages[{s}].producer: {st.producer} is not a node index")
+            if not st.producer <= st.last_use < n:
+                raise ProblemError(f"storages[{s}].last_use: {st.last_use} outside [producer, n)")
+            if st.nbytes < 0:
+                raise ProblemError(f"storages[{s}].nbytes: negative")
+            for k in st.saved_by:
+                if not st.producer <= k < n:
+                    raise ProblemError(f"storages[{s}].saved_by: {k} is not a node at or after the producer")
+
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Memory resident for the whole step: parameters, inputs, optimizer state."""
+        return self.param_bytes + self.input_bytes + self.optimizer_bytes
+
+    @property
+    def total_time(self) -> float:
+        return sum(node.time for node in self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "param_bytes": self.param_bytes,
+            "input_bytes": self.input_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "nodes": [asdict(node) for node in self.nodes],
+            "storages": [asdict(st) for st in self.storages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Problem:
+        nodes = tuple(
+            Node(**{**d, "inputs": tuple(d["inputs"]), "reads": tuple(d.get("reads", ()))}) for d in data["nodes"]
+        )
+        storages = tuple(Storage(**{**d, "saved_by": tuple(d["saved_by"])}) for d in data["storages"])
+        return cls(
+            nodes=nodes,
+            storages=storages,
+            param_bytes=data.get("param_bytes", 0),
+            input_bytes=data.get("input_bytes", 0),
+            optimizer_bytes=data.get("optimizer_bytes", 0),
+            name=data.get("name", ""),
+        )
+
+    def fingerprint(self) -> str:
+        """Hash of the graph's structure and sizes (not of the measured times)."""
+        shape = [
+            [node.name, list(node.inputs), list(node.reads), node.grad_bytes] for node in self.nodes
+        ] + [[st.producer, st.nbytes, st.last_use, list(st.saved_by), st.is_output] for st in self.storages]
+        return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+    def users(self) -> list[list[int]]:
+        """users[i]: the nodes that read node i's output, ascending."""
+        out: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            for j in node.inputs:
+                out[j].append(i)
+        return out
+
+    def cut_bytes(self) -> list[int]:
+        """cut_bytes[i]: bytes of storages produced at or before i and read after i.
+
+        This is what a segment boundary between node i and i + 1 has to keep.
+        """
+        delta = [0] * (self.n + 1)
+        for st in self.storages:
+            end = self.n if st.is_output else st.last_use
+            if end > st.producer:
+                delta[st.producer] += st.nbytes
+                delta[end] -= st.nbytes
+        out, acc = [], 0
+        for i in range(self.n):
+            acc += delta[i]
+            out.append(acc)
+        return out
+
+    def cut_counts(self) -> list[int]:
+        """cut_counts[i]: how many storages cross the boundary after node i."""
+        delta = [0] * (self.n + 1)
+        for st in self.storages:
+            end = self.n if st.is_output else st.last_use
+            if end > st.producer and st.nbytes > 0:
+                delta[st.producer] += 1
+                delta[end] -= 1
+        out, acc = [], 0
+        for i in range(self.n):
+            acc += delta[i]
+            out.append(acc)
+        return out
+
+    def articulation_points(self) -> list[int]:
+        """Positions i after which at most one activation storage is live: cheap cuts."""
+        return [i for i, c in enumerate(self.cut_counts()) if c <= 1]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """Recomputed regions and the figures the simulator predicts for them.
+
+    `regions` are inclusive (start, end) node-index ranges, sorted by start and
+    then by decreasing length, each either disjoint from or nested inside the
+    ones before it.
+    """
+
+    regions: tuple[tuple[int, int], ...]
+    solver: str
+    peak_bytes: int
+    recompute_time: float
+    budget_bytes: int | None = None
+    solve_time: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def feasible(self) -> bool:
+        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
