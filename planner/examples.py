@@ -15,7 +15,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float, seq: int) -> None:
         super().__init__()
         self.heads = heads
-        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril(), persistent=False)
+        # True above the diagonal: the future positions a token must not attend to
+        self.register_buffer("mask", ~torch.ones(seq, seq, dtype=torch.bool).tril(), persistent=False)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.drop = nn.Dropout(dropout)
@@ -28,7 +29,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, t, h, c // h).transpose(1, 2)
         v = v.view(b, t, h, c // h).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))  # [B, H, T, T]
-        att = att.masked_fill(~self.mask, float("-inf"))  # T must equal seq
+        att = att.masked_fill(self.mask, float("-inf"))  # T must equal seq
         att = self.drop(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).reshape(b, t, c)
         return self.drop(self.proj(y))

@@ -183,7 +183,10 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    real_state = {n: t for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+    real_state = {
+        n: t
+        for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    }
     fakes = {n: fake_mode.from_tensor(t) for n, t in real_state.items()}
     flat_fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat]
     # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
