@@ -4,10 +4,11 @@
     solution = solve(problem, budget_bytes=2**30, solver="uniform")
 """
 
-from . import basic  # noqa: F401  (registers "none" and "uniform")
+from . import auto, basic, bruteforce, dp, greedy, ilp  # noqa: F401  (register the solvers)
 from .problem import Node, Problem, ProblemError, Solution, Storage
 from .registry import SOLVERS, InfeasibleBudgetError, UnknownSolverError, get_solver, register, solve
 from .simulate import SimResult, simulate
+from .sweep import knee, sweep
 
 __all__ = [
     "Node",
@@ -23,4 +24,6 @@ __all__ = [
     "solve",
     "UnknownSolverError",
     "InfeasibleBudgetError",
+    "sweep",
+    "knee",
 ]

@@ -75,7 +75,7 @@ def normalize_regions(problem: Problem, regions) -> tuple[tuple[int, int], ...]:
 def region_parents(regions: tuple[tuple[int, int], ...]) -> list[int]:
     """parents[r]: index of the innermost region containing region r, or -1."""
     parents, stack = [], []
-    for r, (s, e) in enumerate(regions):
+    for r, (s, _e) in enumerate(regions):
         while stack and regions[stack[-1]][1] < s:
             stack.pop()
         parents.append(stack[-1] if stack else -1)

@@ -1,0 +1,64 @@
+"""`auto`: run the solvers that are fast for the graph's size and keep the best verified plan.
+
+Small graphs: dp, ilp, greedy and uniform. Medium: dp, ilp (coarsened, with a
+time limit), greedy, uniform. Large: dp, greedy, uniform. Every plan is
+simulated; the least recompute time among those within the budget wins (ties:
+the lower peak). When none fits, the lowest simulated peak is reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .problem import Problem
+from .registry import SolverResult, get_solver, register
+from .simulate import simulate
+
+__all__ = ["auto", "auto_portfolio"]
+
+ILP_NODES = 2000  # nodes above which auto skips the MILP
+SMALL_NODES = 300  # nodes up to which the MILP runs uncoarsened checks quickly
+
+
+def auto_portfolio(problem: Problem) -> list[str]:
+    """The solvers `auto` runs for this problem, fastest first."""
+    names = ["uniform", "greedy", "dp"]
+    if problem.n <= ILP_NODES:
+        names.append("ilp")
+    return names
+
+
+@register("auto")
+def auto(
+    problem: Problem,
+    budget_bytes: int | None = None,
+    *,
+    time_limit: float | None = 10.0,
+    solvers: tuple[str, ...] | None = None,
+) -> SolverResult:
+    """The best verified plan of the portfolio (see the module docstring)."""
+    names = list(solvers) if solvers is not None else auto_portfolio(problem)
+    if problem.n == 0 or budget_bytes is None:
+        name = "dp" if "dp" in names else names[0]
+        result = get_solver(name)(problem, budget_bytes)
+        return SolverResult(regions=result.regions, stats={**result.stats, "chosen": name})
+    tried: dict[str, Any] = {}
+    best = None  # (fits, time, peak, name, result)
+    low = None
+    for name in names:
+        options = {"time_limit": time_limit} if name == "ilp" else {}
+        result = get_solver(name)(problem, budget_bytes, **options)
+        sim = simulate(problem, result.regions)
+        fits = sim.peak_bytes <= budget_bytes
+        tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": sim.peak_bytes, "fits": fits}
+        low = min(low, sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)) if low is not None else min(
+            sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)
+        )
+        key = (not fits, sim.recompute_time if fits else sim.peak_bytes, sim.peak_bytes)
+        if best is None or key < best[0]:
+            best = (key, name, result)
+        if fits and sim.recompute_time == 0:
+            break  # nothing beats no recompute
+    assert best is not None
+    _, name, result = best
+    return SolverResult(regions=result.regions, stats={"chosen": name, "tried": tried, "min_peak_bytes": low})

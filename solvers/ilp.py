@@ -1,0 +1,411 @@
+"""`ilp`: a MILP over the graph, exact for flat (non-nested) region plans.
+
+Variables: one binary per candidate region [s, e] (nodes s..e recomputable, e
+a node that saves something: `dp.trim_flat_regions` shows other ends never
+help) and a path through the positions 0..n that either keeps node i (arc
+i -> i + 1) or jumps over a region (arc s -> e + 1); so regions are disjoint
+and may be adjacent. keep_i = 1 - (node i is recomputed).
+
+Memory constraints are the simulator's observations for flat plans:
+
+* forward, node j: what is live at j, plus every storage freed earlier that
+  is still kept (a saver outside all regions, or an input of a region);
+* backward, node k: gradients, outputs, forward storages whose release step
+  (earliest saver outside regions or start of a region it feeds) is <= k,
+  and the storages the active region's recompute keeps (those made at or
+  after its start whose first saver is <= k);
+* recompute of region [s, e] at step e: the same forward storages and the
+  peak of the recompute pass (precomputed per candidate).
+
+Objective: recompute time, sum of the candidates' forward times.
+Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
+every plan is checked with `simulate` on the original problem and the
+budget tightened by the excess when it does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from typing import Any
+
+from .dp import _stage_bounds, grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
+from .greedy import GreedyPlanner
+from .problem import Node, Problem, Storage
+from .registry import SolverResult, register
+from .simulate import simulate
+
+__all__ = ["ilp", "coarsen", "ILPBackendError"]
+
+
+class ILPBackendError(ValueError):
+    """The MILP backend named is unknown or not installed."""
+
+
+def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, int]]]:
+    """Merge runs of nodes into at most about max_nodes groups; returns the coarse problem and the groups."""
+    groups = _stage_bounds(problem, max_nodes)
+    if len(groups) == problem.n:
+        return problem, groups
+    group_of = [0] * problem.n
+    for g, (u, v) in enumerate(groups):
+        for i in range(u, v + 1):
+            group_of[i] = g
+    nodes = problem.nodes
+    readers_of: list[set[int]] = [set() for _ in problem.storages]
+    for i, node in enumerate(nodes):
+        for t in node.reads:
+            if group_of[problem.storages[t].producer] != group_of[i]:
+                readers_of[t].add(group_of[i])
+    # Storages that look the same at group level are merged (bytes added): the model cannot tell them apart.
+    merged: dict[tuple, int] = {}
+    for t, st in enumerate(problem.storages):
+        key = (
+            group_of[st.producer],
+            group_of[st.last_use],
+            tuple(sorted({group_of[k] for k in st.saved_by})),
+            st.is_output,
+            tuple(sorted(readers_of[t])),
+        )
+        merged[key] = merged.get(key, 0) + st.nbytes
+    storages, reads = [], [set() for _ in groups]
+    for (p, last, saved, is_output, readers), nbytes in merged.items():
+        for g in readers:
+            reads[g].add(len(storages))
+        storages.append(Storage(producer=p, nbytes=nbytes, last_use=last, saved_by=saved, is_output=is_output))
+    coarse = []
+    for g, (u, v) in enumerate(groups):
+        members = range(u, v + 1)
+        inputs = sorted({group_of[j] for i in members for j in nodes[i].inputs if group_of[j] != g})
+        out_grads = sum(nodes[i].grad_bytes for i in members)
+        coarse.append(
+            Node(
+                name=f"group{g}",
+                time=sum(nodes[i].time for i in members),
+                temp_bytes=max(nodes[i].temp_bytes for i in members),
+                grad_bytes=out_grads,
+                param_grad_bytes=sum(nodes[i].param_grad_bytes for i in members),
+                inputs=tuple(inputs),
+                reads=tuple(sorted(reads[g])),
+                recomputable=all(nodes[i].recomputable for i in members),
+            )
+        )
+    return (
+        Problem(
+            nodes=tuple(coarse),
+            storages=tuple(storages),
+            param_bytes=problem.param_bytes,
+            input_bytes=problem.input_bytes,
+            optimizer_bytes=problem.optimizer_bytes,
+            name=problem.name,
+        ),
+        groups,
+    )
+
+
+def _backend(name: str, time_limit: float | None, gap: float, log_path: str, warm: bool = False):
+    import pulp
+
+    if name == "auto":
+        try:
+            import highspy  # noqa: F401
+
+            name = "highs"
+        except ImportError:
+            name = "cbc"
+    if name == "cbc":
+        return "cbc", pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path, threads=1, warmStart=warm
+        )
+    if name == "highs":
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            raise ILPBackendError("backend 'highs' needs highspy: pip install highspy") from None
+        return "highs", pulp.HiGHS(
+            msg=False, timeLimit=time_limit, gapRel=gap, threads=1, warmStart=warm, presolve="off"
+        )  # HiGHS 1.15 presolve returned a wrong optimum on this model (tests found one)
+    raise ILPBackendError(f"backend: {name!r} is not one of 'cbc', 'highs', 'auto'")
+
+
+def _solve_milp(
+    problem: Problem, budget: int | None, backend: str, time_limit: float | None, gap: float, start=None
+):
+    """Build and solve the MILP; budget None minimises the peak instead. Returns (regions | None, stats).
+
+    `start`: a flat, saver-ended plan that fits, given to the solver as its first incumbent.
+    """
+    import pulp
+
+    n, nodes, storages = problem.n, problem.nodes, problem.storages
+    saves = saver_flags(problem)
+    at, before = grad_bytes_by_step(problem)
+    fixed = problem.fixed_bytes  # bytes
+    out_bytes = sum(st.nbytes for st in storages if st.is_output)
+    prefix = [0.0]
+    for node in nodes:
+        prefix.append(prefix[-1] + node.time)
+    cands = [(s, e) for e in range(n) if saves[e] for s in range(e, -1, -1) if all(nodes[i].recomputable for i in range(s, e + 1))]
+    readers: list[list[int]] = [[] for _ in storages]
+    for i, node in enumerate(nodes):
+        for t in node.reads:
+            readers[t].append(i)
+    first_saver = [min(st.saved_by) if st.saved_by else None for st in storages]
+    made_at: list[list[int]] = [[] for _ in range(n)]
+    for t, st in enumerate(storages):
+        made_at[st.producer].append(t)
+
+    prob = pulp.LpProblem("ckpt", pulp.LpMinimize)
+    make = getattr(prob, "add_variable", None)
+
+    def new_var(name: str, low=0, up=None, cat="Continuous"):
+        if make is not None:
+            return make(name, low, up, cat=cat)
+        return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
+
+    infeasible = False
+
+    def at_most(expr) -> None:
+        """expr <= cap, where expr may have no variable left."""
+        nonlocal infeasible
+        expr = pulp.lpSum([expr])
+        if budget is not None and not expr.keys():
+            infeasible = infeasible or expr.constant > budget
+        else:
+            prob.addConstraint(expr <= cap)
+
+    peak_var = new_var("peak") if budget is None else None
+    cap = peak_var if budget is None else budget  # bytes
+    x = {c: new_var(f"x_{c[0]}_{c[1]}", 0, 1, "Binary") for c in cands}
+    keep = [new_var(f"keep_{i}", 0, 1) for i in range(n)]
+    starting: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    ending: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for c in cands:
+        starting[c[0]].append(c)
+        ending[c[1]].append(c)
+    for q in range(n):  # one path 0 -> n: keep arcs and region arcs
+        inflow = 1 if q == 0 else keep[q - 1] + pulp.lpSum(x[c] for c in ending[q - 1])
+        prob += keep[q] + pulp.lpSum(x[c] for c in starting[q]) == inflow
+    # cover[s][k]: the region that starts at s reaches node k.
+    cover: dict[tuple[int, int], Any] = {}
+    for s in range(n):
+        if not starting[s]:
+            continue
+        hi = max(e for _, e in starting[s])
+        nxt = 0
+        for k in range(hi, s - 1, -1):
+            var = new_var(f"c_{s}_{k}", 0, 1)
+            prob += var == nxt + (x[(s, k)] if (s, k) in x else 0)
+            cover[(s, k)] = nxt = var
+    # Forward storages: y[t][k] >= [t is kept and released at a step <= k].
+    y_at: dict[int, list] = {}
+    span: dict[int, int] = {}
+    for t, st in enumerate(storages):
+        if st.is_output or not st.nbytes or not (st.saved_by or readers[t]):
+            continue
+        p = st.producer
+        K = max([p, *st.saved_by, *readers[t]])
+        span[t] = K
+        ys, prev = [], None
+        savers = set(st.saved_by)
+        for k in range(p, K + 1):
+            var = new_var(f"y_{t}_{k}", 0, 1)
+            if prev is not None:
+                prob += var >= prev
+            if k in savers:
+                prob += var >= keep[k]
+            if k > p:
+                later = [i for i in readers[t] if i >= k]
+                if later and (k, min(later)) in cover:
+                    prob += var >= cover[(k, min(later))]
+            ys.append(var)
+            prev = var
+        y_at[t] = ys
+    # W[k]: bytes of forward storages live at backward step k (outputs apart).
+    W = []
+    for k in range(n):
+        terms = []
+        for t in made_at[k]:
+            if t in y_at:
+                terms.append(storages[t].nbytes * y_at[t][0])
+        W.append(terms)
+    w_vars, acc = [], None
+    for k in range(n):
+        delta = list(W[k])
+        for t, K in span.items():
+            p = storages[t].producer
+            if p < k <= K:
+                delta.append(storages[t].nbytes * (y_at[t][k - p] - y_at[t][k - p - 1]))
+        var = new_var(f"w_{k}")
+        prob += var == (acc if acc is not None else 0) + pulp.lpSum(delta)
+        w_vars.append(var)
+        acc = var
+    # Forward: kept storages freed before j stay; the rest of the live set is plan-independent.
+    live_fw = [0] * (n + 1)
+    for st in storages:
+        end = n - 1 if st.is_output else st.last_use
+        live_fw[st.producer] += st.nbytes
+        live_fw[end + 1] -= st.nbytes
+    run, freed = 0, [[] for _ in range(n)]
+    for t, K in span.items():
+        freed[storages[t].last_use].append(storages[t].nbytes * y_at[t][K - storages[t].producer])
+    acc_fw = None
+    for j in range(n):
+        run += live_fw[j]
+        if j:
+            var = new_var(f"f_{j}")
+            prob += var == (acc_fw if acc_fw is not None else 0) + pulp.lpSum(freed[j - 1])
+            acc_fw = var
+        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes)
+    # Bytes the recompute of a region starting at s keeps at step k: made at >= s, first saver <= k.
+    keep_rc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    by_p = [0] * n
+    kept_by_k: list[list[int]] = [[] for _ in range(n)]
+    for t, f in enumerate(first_saver):
+        if f is not None:
+            kept_by_k[f].append(t)
+    for k in range(n):
+        for t in kept_by_k[k]:
+            by_p[storages[t].producer] += storages[t].nbytes
+        acc_s = 0
+        for s in range(k, -1, -1):
+            acc_s += by_p[s]
+            if (s, k) in cover and acc_s:
+                keep_rc[k].append((s, acc_s))
+    for k in range(n):
+        rc = pulp.lpSum(v * cover[(s, k)] for s, v in keep_rc[k])
+        at_most(w_vars[k] + rc + fixed + at[k] + out_bytes)
+    # Recompute pass of each candidate, at its trigger e.
+    for e in range(n):
+        if not ending[e]:
+            continue
+        terms = []
+        for s, _ in ending[e]:
+            live, peak, frees = 0, 0, {}
+            for j in range(s, e + 1):
+                for t in made_at[j]:
+                    st = storages[t]
+                    live += st.nbytes
+                    f = first_saver[t]
+                    if f is None or f > e:
+                        end = min(st.last_use, e)
+                        frees[end] = frees.get(end, 0) + st.nbytes
+                peak = max(peak, live + nodes[j].temp_bytes)
+                live -= frees.pop(j, 0)
+            terms.append(peak * x[(s, e)])
+        at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes)
+    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s]) * v for (s, e), v in x.items())
+    prob += peak_var if budget is None else time_obj
+    if infeasible:
+        return None, {"status": "Infeasible"}
+    warm = start is not None and all(c in x for c in start)
+    if warm:
+        for c, v in x.items():
+            v.setInitialValue(1 if c in start else 0)
+        covered = {i for s_, e_ in start for i in range(s_, e_ + 1)}
+        for i, v in enumerate(keep):
+            v.setInitialValue(0 if i in covered else 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
+            name, solver = _backend(backend, time_limit, gap, log_path, warm)
+            prob.solve(solver)
+        stats: dict[str, Any] = {
+            "backend": name,
+            "variables": len(prob.variables()),
+            "constraints": prob.numConstraints(),
+            "status": pulp.LpStatus[prob.status],
+        }
+        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return None, stats
+        objective = pulp.value(prob.objective) or 0.0
+        bound = _best_bound(name, prob, log_path)
+        if bound is not None:
+            stats["gap"] = 0.0 if objective <= 1e-12 else max(0.0, (objective - bound) / abs(objective))
+        elif prob.sol_status == pulp.LpSolutionOptimal:
+            stats["gap"] = 0.0
+        stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-9)
+    regions = tuple(sorted(c for c, v in x.items() if (v.value() or 0) > 0.5))
+    return regions, stats
+
+
+def _best_bound(name: str, prob, log_path: str) -> float | None:
+    """The solver's proven lower bound on the objective, where it tells."""
+    if name == "highs":
+        try:
+            return float(prob.solverModel.getInfo().mip_dual_bound)
+        except Exception:  # noqa: BLE001 - older highspy: no bound, gap unknown
+            return None
+    try:
+        with open(log_path) as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    found = re.findall(r"best possible ([-0-9.eE+]+)", text)
+    if found:
+        return float(found[-1])
+    if "Optimal solution found" in text:
+        return None
+    return None
+
+
+@register("ilp")
+def ilp(
+    problem: Problem,
+    budget_bytes: int | None = None,
+    *,
+    backend: str = "cbc",
+    time_limit: float | None = 20.0,
+    gap: float = 0.0,
+    max_nodes: int = 48,
+    max_retries: int = 6,
+    warm_start: bool = True,
+) -> SolverResult:
+    """Least recompute time over flat region plans (exact when the graph is not coarsened)."""
+    n = problem.n
+    if n == 0:
+        return SolverResult(regions=(), stats={"nodes": 0, "coarse_nodes": 0})
+    coarse, groups = coarsen(problem, max_nodes)
+    stats: dict[str, Any] = {"nodes": n, "coarse_nodes": coarse.n}
+
+    def lift(regions):
+        return tuple((groups[s][0], groups[e][1]) for s, e in regions)
+
+    base = simulate(problem, ())
+    if budget_bytes is None or base.peak_bytes <= budget_bytes:
+        return SolverResult(regions=(), stats={**stats, "min_peak_bytes": base.peak_bytes})
+    target, best_low = budget_bytes, None
+    for attempt in range(max_retries + 1):
+        start = None
+        if warm_start:
+            heuristic = GreedyPlanner(coarse).plan(target)
+            if heuristic.stats.get("min_peak_bytes", target + 1) <= target:
+                start = trim_flat_regions(coarse, heuristic.regions)
+        regions, info = _solve_milp(coarse, target, backend, time_limit, gap, start)
+        stats.update(info)
+        if start is not None:
+            fallback = lift(start)
+            if regions is None or recompute_time(problem, fallback) < recompute_time(problem, lift(regions)):
+                stats["from_warm_start"] = True  # the solver stopped before matching its start
+                regions = start
+        if regions is None:
+            break
+        regions = lift(regions)
+        peak = simulate(problem, regions).peak_bytes
+        if peak <= budget_bytes:
+            return SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+        best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
+        target -= peak - budget_bytes
+    # Nothing fits: the lowest peak the model reaches.
+    low, info = _solve_milp(coarse, None, backend, time_limit, gap)
+    if low is not None:
+        low = lift(low)
+        peak = simulate(problem, low).peak_bytes
+        if best_low is None or peak < best_low[0]:
+            best_low = (peak, low)
+    if best_low is None:
+        best_low = (base.peak_bytes, ())
+    return SolverResult(regions=best_low[1], stats={**stats, "min_peak_bytes": best_low[0], "infeasible": True})
