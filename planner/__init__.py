@@ -4,7 +4,7 @@
     loss = loss_fn(plan.module(batch), target); loss.backward()
 """
 
-from .api import optimize
+from .api import Planner, optimize
 from .capture import Capture, capture
 from .errors import (
     CaptureError,
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "optimize",
+    "Planner",
     "verify",
     "Plan",
     "Report",

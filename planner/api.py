@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 import solvers
 from solvers import Problem, Solution, simulate
+from solvers.simulate import normalize_regions
 
 from .capture import capture, flatten_for_graph
+from .distributed import check_sharding, shard_problem
 from .errors import InputError
 from .graph import CostGraph
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
-from .rewrite import rewrite
+from .rewrite import rewrite, safe_regions
 from .state import ModelState
 
-__all__ = ["optimize", "optimizer_state_bytes", "plan_from_solution"]
+__all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
 
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:
@@ -68,6 +71,9 @@ def optimize(
     profile_config: ProfileConfig | None = None,
     solver_options: dict[str, Any] | None = None,
     activation_budget: float | None = None,
+    world_size: int = 1,
+    sharding: str | None = None,
+    safety_margin: float = 0.02,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -80,34 +86,126 @@ def optimize(
     running anything. activation_budget=f (0 < f <= 1) sets the budget to the
     fixed memory plus f times the activation memory of the step without
     checkpointing (torch.compile's memory-budget knob, in our units).
-    The model is left as it was found.
+    world_size/sharding ('ddp' or 'fsdp'): the budget is per rank, with parameters,
+    gradients and optimizer state replicated (ddp) or divided by world_size (fsdp);
+    example_inputs are one rank's batch (see planner/distributed.py).
+    safety_margin (default 0.02) reserves that fraction of the budget's
+    activation part for what the simulator does not see. The model is left
+    as it was found.
     """
+    _check_budget_args(budget_gb, budget_bytes, activation_budget)
+    solvers.get_solver(solver)  # unknown names fail before any work
+    planner = Planner(
+        model,
+        example_inputs,
+        device=device,
+        optimizer=optimizer,
+        capture_method=capture_method,
+        profile_config=profile_config,
+        world_size=world_size,
+        sharding=sharding,
+    )
+    return planner.plan(
+        budget_gb=budget_gb,
+        budget_bytes=budget_bytes,
+        activation_budget=activation_budget,
+        solver=solver,
+        solver_options=solver_options,
+        safety_margin=safety_margin,
+    )
+
+
+def _check_budget_args(budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
     budget = _budget(budget_gb, budget_bytes)
     if activation_budget is not None:
         if budget is not None:
             raise InputError("activation_budget: give it or a budget in bytes/GB, not both")
         if not 0 < activation_budget <= 1:
             raise InputError(f"activation_budget: {activation_budget} must be in (0, 1]")
-    solvers.get_solver(solver)  # unknown names fail before any work
-    config = profile_config or ProfileConfig()
-    if device is not None and torch.device(device).type == "meta":
-        config = ProfileConfig(**{**config.__dict__, "meta": True})
-    with ModelState(model).preserved():
-        cap = capture(model, example_inputs, method=capture_method)
-        cost = profile(cap, config)
-    problem = cost.to_problem(optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__)
-    options = dict(solver_options or {})
-    if activation_budget is not None:
-        base_peak = simulate(problem, ()).peak_bytes
-        budget = int(problem.fixed_bytes + activation_budget * (base_peak - problem.fixed_bytes))
-    solution, notes = _solve(problem, budget, solver, options)
-    plan = plan_from_solution(cost, problem, solution, cap, notes=notes, solver_options=options)
-    plan.model_name = type(model).__name__
-    plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
-    return plan
+    return budget
 
 
-def _solve(problem: Problem, budget: int | None, solver: str, options: dict[str, Any]) -> tuple[Solution, list[str]]:
+class Planner:
+    """Capture and profile a model once, then plan it for any number of budgets.
+
+        planner = Planner(model, example_inputs)
+        plans = [planner.plan(activation_budget=f) for f in (0.25, 0.5, 0.75)]
+
+    Arguments are those of `optimize()`; the model is left as it was found.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        example_inputs: Any = None,
+        *,
+        device: str | torch.device | None = None,
+        optimizer: Any = None,
+        capture_method: str = "auto",
+        profile_config: ProfileConfig | None = None,
+        world_size: int = 1,
+        sharding: str | None = None,
+    ) -> None:
+        check_sharding(world_size, sharding)
+        config = profile_config or ProfileConfig()
+        if device is not None and torch.device(device).type == "meta":
+            config = ProfileConfig(**{**config.__dict__, "meta": True})
+        with ModelState(model).preserved():
+            self.capture = capture(model, example_inputs, method=capture_method)
+            self.cost = profile(self.capture, config)
+        self.model = model
+        problem = self.cost.to_problem(
+            optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
+        )
+        self.problem, self.dist_notes = shard_problem(problem, model, world_size=world_size, sharding=sharding)
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return simulate(self.problem, ()).peak_bytes
+
+    def plan(
+        self,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        activation_budget: float | None = None,
+        solver: str = "auto",
+        solver_options: dict[str, Any] | None = None,
+        safety_margin: float = 0.02,
+    ) -> Plan:
+        """Solve for one budget and build the checkpointed module."""
+        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        solvers.get_solver(solver)
+        problem, cap, model = self.problem, self.capture, self.model
+        options = dict(solver_options or {})
+        if activation_budget is not None:
+            base_peak = simulate(problem, ()).peak_bytes
+            budget = int(problem.fixed_bytes + activation_budget * (base_peak - problem.fixed_bytes))
+        solution, notes = _solve(problem, budget, solver, options, safety_margin)
+        safe, moved = safe_regions(cap.graph_module, solution.regions)  # in-place ops at region boundaries
+        if moved:
+            solution = dataclasses.replace(solution, regions=normalize_regions(problem, safe))
+            notes = list(notes) + moved
+        plan = plan_from_solution(self.cost, problem, solution, cap, notes=notes + self.dist_notes, solver_options=options)
+        plan.model_name = type(model).__name__
+        plan.problem = problem
+        plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
+        extra = []
+        if cap.builtin_checkpointing:
+            shown = ", ".join(cap.builtin_checkpointing[:4]) + (" ..." if len(cap.builtin_checkpointing) > 4 else "")
+            extra.append(
+                f"the model checkpoints itself ({len(cap.builtin_checkpointing)} modules: {shown}); "
+                "this plan replaces that checkpointing (plan.module does not use it, the model keeps it)"
+            )
+        extra.extend(getattr(plan.module, "rewrite_notes", ()))
+        if extra:
+            plan.notes = tuple(plan.notes) + tuple(extra)
+        return plan
+
+
+def _solve(
+    problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float = 0.0
+) -> tuple[Solution, list[str]]:
     notes: list[str] = []
     base = simulate(problem, ())
     if budget is not None and base.peak_bytes <= budget:
@@ -131,7 +229,25 @@ def _solve(problem: Problem, budget: int | None, solver: str, options: dict[str,
                 )
                 return chosen, notes
         notes.append("no budget given: solver default plan")
-    return solvers.solve(problem, budget, solver, **options), notes
+    return _solve_with_margin(problem, budget, solver, options, margin), notes
+
+
+def _solve_with_margin(problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float) -> Solution:
+    """Solve for the budget less a reserve of `margin` x its activation part.
+
+    The reserve covers what the simulator does not see (small backward temporaries),
+    so that the measured peak stays within the budget the user gave.
+    """
+    if budget is None:
+        return solvers.solve(problem, None, solver, **options)
+    fixed = problem.fixed_bytes
+    inner = budget - max(0, int(margin * (budget - fixed)))
+    try:
+        solution = solvers.solve(problem, inner, solver, **options)
+    except solvers.InfeasibleBudgetError as e:
+        smallest = fixed + int((e.smallest_bytes - fixed) / (1 - margin)) + 1 if e.smallest_bytes > fixed else fixed
+        raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed) from None
+    return dataclasses.replace(solution, budget_bytes=budget, stats={**solution.stats, "planned_for_bytes": inner})
 
 
 def plan_from_solution(
@@ -142,7 +258,6 @@ def plan_from_solution(
     *,
     notes: list[str] | tuple[str, ...] = (),
     solver_options: dict[str, Any] | None = None,
-    activation_budget: float | None = None,
 ) -> Plan:
     """Wrap a solver's Solution as a Plan (no module yet)."""
     base = simulate(problem, ())

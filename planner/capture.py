@@ -9,6 +9,7 @@ which handles transformers models. Capture happens in training mode.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,10 @@ class Capture:
     """Why symbolic_trace was not used (None when it was)."""
     args: tuple
     kwargs: dict[str, Any] = field(default_factory=dict)
+    builtin_checkpointing: tuple[str, ...] = ()
+    """Module paths whose own checkpointing (HF `gradient_checkpointing_enable()`, timm
+    `grad_checkpointing`, densenet `memory_efficient`) was switched off for the capture, so the
+    graph holds the plain computation and a plan replaces that checkpointing instead of stacking on it."""
 
 
 def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -105,31 +110,36 @@ def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str =
     args, kwargs = normalize_inputs(example_inputs, model)
     was_training = model.training
     model.train()
-    reason = None
-    try:
-        if method in ("auto", "symbolic_trace"):
-            try:
-                gm = _trace(model, args, kwargs)
-                return Capture(gm, "symbolic_trace", None, args, kwargs)
-            except Exception as e:  # noqa: BLE001 - any trace failure means: try export
-                if method == "symbolic_trace":
-                    raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
-                reason = _key_line(e)
+    with builtin_checkpointing_off(model) as builtin:
         try:
-            with ModelState(model).preserved():
-                ep = torch.export.export(model, args, kwargs, strict=False)
-            gm = ep.module()
-            _rebind_state(gm, model)
-            return Capture(gm, "export", reason, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - reported with both causes
-            tried = f"symbolic_trace: {reason}; " if reason else ""
-            raise CaptureError(
-                f"cannot capture {type(model).__name__}: {tried}torch.export: {_key_line(e)}. "
-                "Make the data-dependent construct static (fixed shapes, no branching on tensor values) "
-                "or wrap it in a submodule and plan the rest"
-            ) from e
-    finally:
-        model.train(was_training)
+            return _capture(model, args, kwargs, method, builtin)
+        finally:
+            model.train(was_training)
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, builtin: tuple[str, ...]) -> Capture:
+    reason = None
+    if method in ("auto", "symbolic_trace"):
+        try:
+            gm = _trace(model, args, kwargs)
+            return Capture(gm, "symbolic_trace", None, args, kwargs, builtin)
+        except Exception as e:  # noqa: BLE001 - any trace failure means: try export
+            if method == "symbolic_trace":
+                raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
+            reason = _key_line(e)
+    try:
+        with ModelState(model).preserved():
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        gm = ep.module()
+        _rebind_state(gm, model)
+        return Capture(gm, "export", reason, args, kwargs, builtin)
+    except Exception as e:  # noqa: BLE001 - reported with both causes
+        tried = f"symbolic_trace: {reason}; " if reason else ""
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: {tried}torch.export: {_key_line(e)}. "
+            "Make the data-dependent construct static (fixed shapes, no branching on tensor values) "
+            "or wrap it in a submodule and plan the rest"
+        ) from e
 
 
 def _rebind_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
@@ -170,6 +180,32 @@ def flatten_for_graph(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list[Any
         key = name.lstrip("*")
         values.append(bound.arguments.get(key))
     return values
+
+
+# Attributes by which libraries switch on their own activation checkpointing.
+_BUILTIN_FLAGS = ("gradient_checkpointing", "grad_checkpointing")
+
+
+@contextlib.contextmanager
+def builtin_checkpointing_off(model: torch.nn.Module) -> Iterator[tuple[str, ...]]:
+    """Switch off the model's own activation checkpointing while inside; yield the module paths where it was on.
+
+    Covers HF transformers (`gradient_checkpointing_enable()` sets `gradient_checkpointing=True`
+    on each layer), timm (`grad_checkpointing`) and torchvision densenet (`memory_efficient`).
+    Every flag is put back as it was on exit.
+    """
+    changed: list[tuple[str, torch.nn.Module, str]] = []
+    for path, mod in model.named_modules():
+        names = _BUILTIN_FLAGS + (("memory_efficient",) if "DenseLayer" in type(mod).__name__ else ())
+        for attr in names:
+            if mod.__dict__.get(attr) is True:
+                changed.append((path or type(mod).__name__, mod, attr))
+                setattr(mod, attr, False)
+    try:
+        yield tuple(dict.fromkeys(path for path, _, _ in changed))
+    finally:
+        for _, mod, attr in changed:
+            setattr(mod, attr, True)
 
 
 @contextlib.contextmanager

@@ -94,6 +94,8 @@ class Plan:
     model_name: str = ""
     module: torch.nn.Module | None = field(default=None, repr=False, compare=False)
     """The checkpointed module (None for a plan loaded from a file until `rebuild`)."""
+    problem: Any = field(default=None, repr=False, compare=False)
+    """The solvers.Problem the plan was solved on (not saved; None for a loaded plan)."""
     measured_peak_bytes: int | None = None
     baseline_measured_peak_bytes: int | None = None
 
@@ -195,6 +197,7 @@ class Plan:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; a plan is an ordinary, shareable file
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -281,6 +284,24 @@ class Plan:
                 raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
         self.module = rewrite(cap.graph_module, self.spans(), model=model)
         return self.module
+
+    # -- in place ------------------------------------------------------------
+    def apply(self, model: torch.nn.Module) -> Any:
+        """Checkpoint whole submodules of `model` in place; returns a planner.apply.Application.
+
+        Same module object, same `state_dict` keys, hooks and optimizer untouched.
+        Where regions do not follow module boundaries, the nearest module-level
+        plan within the budget is used and the Application says how it differs.
+        """
+        from .apply import apply_plan
+
+        return apply_plan(self, model)
+
+    def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""
+        from .apply import remove_checkpointing
+
+        return remove_checkpointing(model)
 
 
 def _jsonable(obj: Any) -> Any:

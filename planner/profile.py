@@ -9,6 +9,10 @@ once. Parameters, buffers and graph inputs are not activations.
 
 In meta mode the same interpreter runs on fake tensors: byte figures are
 exact, time comes from FLOPs and bytes moved (a roofline), nothing is run.
+Tensors on the meta device (a model built under `torch.device("meta")`)
+become fake CPU tensors, so each op takes the kernel a real run would take
+(fused attention, not the meta device's float32 math path) and the bytes equal
+a real CPU step's; one dispatch mode counts storages and FLOPs together.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .capture import Capture, flatten_for_graph
 from .errors import ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import LiveMemory, storage_key
+from .rewrite import mutated_inputs, written_roots
 from .state import rng_preserved
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]
@@ -91,6 +96,13 @@ class CostProfiler(fx.Interpreter):
         self.record = False
         self.times: dict[str, list[float]] = {}
         self.sync = None
+        self.meta_to_cpu = False
+        """Fake runs of a graph captured on the meta device: its `device=meta` constants mean cpu."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.meta_to_cpu:
+            args, kwargs = _meta_to_cpu(args, kwargs)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if not self.record:
@@ -148,18 +160,23 @@ def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tenso
 def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, fake_mode=None):
     prof = CostProfiler(gm)
     prof.record = True
-    prof.mem = LiveMemory()
     prof.events = {}
-    prof.flops = FlopCounterMode(display=False) if config.count_flops else None
-    mem_ctx = prof.mem
+    prof.meta_to_cpu = fake_mode is not None
     import contextlib
 
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
+            # One dispatch mode that counts storages and FLOPs: on fake tensors the
+            # mode layers are most of the cost, and the figures are the same.
             stack.enter_context(fake_mode)
-        if prof.flops is not None:
-            stack.enter_context(prof.flops)
-        stack.enter_context(mem_ctx)
+            prof.mem = _FakeRecorder(count_flops=config.count_flops)
+            prof.flops = prof.mem if config.count_flops else None
+        else:
+            prof.mem = LiveMemory()
+            prof.flops = FlopCounterMode(display=False) if config.count_flops else None
+            if prof.flops is not None:
+                stack.enter_context(prof.flops)
+        stack.enter_context(prof.mem)
         prof.run(*flat, enable_io_processing=False)
     return prof
 
@@ -187,8 +204,9 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         n: t
         for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
     }
-    fakes = {n: fake_mode.from_tensor(t) for n, t in real_state.items()}
-    flat_fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat]
+    memo: dict[int, torch.Tensor] = {}
+    fakes = {n: _fake_of(fake_mode, t, memo) for n, t in real_state.items()}
+    flat_fake = [_fake_of(fake_mode, t, memo) if isinstance(t, torch.Tensor) else t for t in flat]
     # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
     _swap_state(gm, fakes)
     try:
@@ -197,6 +215,100 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     finally:
         _swap_state(gm, real_state)
     return built
+
+
+def _fake_of(fake_mode: Any, t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A fake tensor standing for t; a meta tensor becomes a fake CPU tensor.
+
+    On the meta device, scaled_dot_product_attention takes the float32 math path
+    and saves [B, H, T, T] attention matrices; a fake CPU tensor dispatches to
+    the fused kernel a real run uses (it saves the output and a [B, H, T]
+    logsumexp), so the bytes are those of a real step. No memory is allocated.
+    Tied tensors (one object under two names) get one fake (memo by id).
+    """
+    if t.device.type != "meta":
+        return fake_mode.from_tensor(t)
+    fake = memo.get(id(t))
+    if fake is None:
+        with fake_mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        fake.requires_grad_(t.requires_grad)
+        memo[id(t)] = fake
+    return fake
+
+
+class _FakeRecorder(LiveMemory):
+    """LiveMemory that also counts FLOPs as torch's FlopCounterMode does (same formulas).
+
+    Ops without a FLOP formula that decompose are run decomposed so their parts
+    are counted; only the top-level op's storages are tracked, as with the two
+    modes stacked. The CPU fused attention kernel is counted like CUDA flash attention.
+    """
+
+    def __init__(self, *, count_flops: bool = True) -> None:
+        super().__init__()
+        self.count_flops = count_flops
+        self.total_flops = 0
+        self._nested = False
+
+    def get_total_flops(self) -> int:
+        return self.total_flops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        args, kwargs = _meta_to_cpu(args, kwargs)  # inside higher-order ops' subgraphs
+        formula = _flop_formulas().get(func._overloadpacket) if self.count_flops else None
+        if self.count_flops and formula is None and func not in _NO_DECOMPOSE:
+            nested, self._nested = self._nested, True
+            try:
+                with self:
+                    out = func.decompose(*args, **kwargs)
+            finally:
+                self._nested = nested
+            if out is not NotImplemented:
+                if not nested:
+                    self._track_out(out)
+                return out
+            _NO_DECOMPOSE.add(func)
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.total_flops += formula(*args, **kwargs, out_val=out)
+        if not self._nested:
+            self._track_out(out)
+        return out
+
+    def _track_out(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._add(t.untyped_storage())
+
+
+_META, _CPU = torch.device("meta"), torch.device("cpu")
+
+
+def _meta_to_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """args and kwargs with torch.device('meta') replaced by cpu (see _fake_of)."""
+    if not any(isinstance(a, torch.device) and a == _META for a in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(_CPU if isinstance(a, torch.device) and a == _META else a for a in args)
+    kwargs = {k: _CPU if isinstance(v, torch.device) and v == _META else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+_NO_DECOMPOSE: set = set()  # ops found to have no decomposition (and metadata queries)
+_FORMULAS: dict = {}  # op overload packet -> FLOP formula
+
+
+def _flop_formulas() -> dict:
+    if not _FORMULAS:
+        from torch.utils.flop_counter import flop_registry
+
+        _NO_DECOMPOSE.add(torch.ops.prim.device.default)
+        _FORMULAS.update(flop_registry)
+        flash = flop_registry.get(torch.ops.aten._scaled_dot_product_flash_attention)
+        if flash is not None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            _FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = flash
+    return _FORMULAS
 
 
 def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:
@@ -212,8 +324,9 @@ def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:
 
 
 def _as_param(t: torch.Tensor) -> torch.Tensor:
-    # A fake tensor cannot become an nn.Parameter; modules accept a tensor with requires_grad.
-    return t.requires_grad_(True) if t.is_floating_point() else t
+    # A fake tensor cannot become an nn.Parameter; modules accept a plain tensor. It keeps
+    # the parameter's requires_grad (frozen parameters have no gradient to count).
+    return t
 
 
 def _roofline(flops: float, nbytes: float, dev: str, config: ProfileConfig) -> float:
@@ -260,9 +373,14 @@ def _build(
                 if p.requires_grad:
                     param_reader[storage_key(p)] = i
         out_bytes, grad_bytes = 0, 0
+        writes = bool(mutated_inputs(gm, n))
         for t in _tensors(value):
             key = storage_key(t)
             if key in external or key in owner:
+                # An in-place op (relu_, add_) makes no storage, but its backward still makes a
+                # full new gradient for its input: count that gradient here.
+                if writes and key in owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                    grad_bytes += t.numel() * t.element_size()
                 continue
             owner[key] = len(storages)
             nbytes = t.untyped_storage().nbytes()
@@ -288,6 +406,7 @@ def _build(
         recomputable = not (
             (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
             or (_mutates_input(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
+            or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
         )
         nodes.append(
             {

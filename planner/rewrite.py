@@ -8,6 +8,18 @@ from the root module, so the checkpointed module shares the original's
 parameter and buffer objects and has the same `state_dict` keys. Buffers a
 region touches (BatchNorm running statistics, `num_batches_tracked`) are
 put back after a recompute, so they are updated once per step.
+
+In-place ops are checked at the region boundaries: checkpoint keeps a
+region's inputs and re-reads them in backward, so a region that writes into
+one of its inputs (`ReLU(inplace=True)` on the output of the node before it,
+`add_`, `x[:, 0] = ...` through a view) would recompute from the changed
+value. Such a region's start is moved past the writing node (the cut moves;
+the op runs outside, as in the model), and a region whose input is written
+later, outside it, is dropped. `rewrite_notes` on the result says what moved.
+
+The checkpointed module keeps a reference to the model: in eval mode it
+calls the model itself (eval mode checkpoints nothing, and an exported graph
+has the training flag of dropout and BatchNorm baked in).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CheckpointRegion", "rewrite", "compute_nodes"]
+__all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "compute_nodes", "mutated_inputs", "written_roots", "safe_regions"]
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -59,6 +71,10 @@ class CheckpointRegion(torch.nn.Module):
     def forward(self, *args):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
             return self._run(*args)
+        if torch.compiler.is_compiling():
+            # The compiled backward recomputes without re-applying buffer mutations,
+            # and dynamo accepts no custom context_fn (it fails at compile time).
+            return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True)
         return checkpoint(
             self._run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
         )
@@ -96,18 +112,39 @@ def _attr_path(gm: torch.nn.Module, target: str) -> object:
     return obj
 
 
+class CheckpointedModule(fx.GraphModule):
+    """The checkpointed GraphModule; in eval mode it runs the original model (when it has one)."""
+
+    def __call__(self, *args, **kwargs):
+        model = self.__dict__.get("_original")
+        if self.training or model is None:
+            return super().__call__(*args, **kwargs)
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            return model(*args, **kwargs)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+
 def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: torch.nn.Module | None = None) -> fx.GraphModule:
     """Return a new GraphModule running `regions` (compute-node index ranges) under checkpoint.
 
     The result shares every parameter, buffer and submodule of `gm`; when
     `model` is given, any of its state that the graph does not reference is
-    attached too, so `state_dict` keys match the model's.
+    attached too, so `state_dict` keys match the model's, and eval-mode calls
+    go to `model`. Regions that would recompute from an input written in place
+    are adjusted first (see `safe_regions`); `result.rewrite_notes` lists the changes.
     """
     compute = compute_nodes(gm.graph)
-    regions = sorted({(int(s), int(e)) for s, e in regions}, key=lambda r: (r[0], -r[1]))
+    regions, notes = safe_regions(gm, regions)
+    regions = sorted(set(regions), key=lambda r: (r[0], -r[1]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # pytree spec deprecation noise on deepcopy
-        new_gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        new_gm = CheckpointedModule(gm, copy.deepcopy(gm.graph))
+    object.__setattr__(new_gm, "_original", model)
+    object.__setattr__(new_gm, "rewrite_notes", tuple(notes))
     for attr in ("_in_spec", "_out_spec", "meta"):
         if hasattr(gm, attr) and not hasattr(new_gm, attr):
             setattr(new_gm, attr, getattr(gm, attr))
@@ -120,7 +157,6 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: to
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         new_graph._codegen = copy.deepcopy(gm.graph._codegen)
-    position = {n: i for i, n in enumerate(compute)}
     env: dict[fx.Node, fx.Node] = {}
     made: list[CheckpointRegion] = []
 
@@ -219,6 +255,14 @@ def _touched_buffers(gm: fx.GraphModule, nodes: list[fx.Node], state_buffers: di
 
 def _attach_missing_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     """Give gm every parameter and buffer of model it lacks, under the same name and object."""
+    for name, _ in list(gm.named_buffers(remove_duplicate=False)):  # graph copies make buffers persistent
+        *path, leaf = name.split(".")
+        try:
+            owner = model.get_submodule(".".join(path)) if path else model
+        except AttributeError:
+            continue
+        if leaf in owner._non_persistent_buffers_set:
+            gm.get_submodule(".".join(path))._non_persistent_buffers_set.add(leaf)
     have = set(gm.state_dict().keys()) | {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     for name, value in list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)
@@ -236,3 +280,122 @@ def _attach_missing_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
         else:
             owner = model.get_submodule(".".join(path)) if path else model
             mod.register_buffer(leaf, value, persistent=leaf not in owner._non_persistent_buffers_set)
+
+
+# -- in-place ops at region boundaries ---------------------------------------------
+
+_VIEW_NAMES = frozenset(
+    "view view_as reshape reshape_as transpose permute expand expand_as unsqueeze squeeze narrow select t flatten "
+    "unflatten unbind split chunk contiguous detach as_strided diagonal movedim swapaxes swapdims alias unfold "
+    "__getitem__ getitem real imag view_as_real view_as_complex".split()
+)
+_INPLACE_OPERATORS = (
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+)
+
+
+def _name(target: object) -> str:
+    if isinstance(target, str):
+        return target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(target, "__name__", "")
+
+
+def mutated_inputs(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
+    """The argument nodes that `n` writes into (in-place ops, `inplace=True` modules and functions, setitem)."""
+    first = [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
+    if n.op == "call_module":
+        mod = gm.get_submodule(str(n.target))
+        return first if getattr(mod, "inplace", False) is True else []
+    if n.kwargs.get("inplace") is True:
+        return first
+    if n.op == "call_method":
+        name = str(n.target)
+        return first if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) else []
+    if n.op != "call_function":
+        return []
+    if n.target in _INPLACE_OPERATORS:
+        return first
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        out = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                value = n.args[i] if i < len(n.args) and not a.kwarg_only else n.kwargs.get(a.name)
+                if isinstance(value, fx.Node):
+                    out.append(value)
+        return out
+    name = _name(n.target)
+    return first if name.endswith("_") and not name.startswith("_") else []
+
+
+def _is_view(n: fx.Node) -> bool:
+    if n.op not in ("call_method", "call_function") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        return not writes and any(r.alias_info is not None for r in schema.returns)
+    return _name(n.target) in _VIEW_NAMES
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The node whose storage `n` views (itself when it is no view)."""
+    while _is_view(n):
+        n = n.args[0]
+    return n
+
+
+def written_roots(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
+    """The nodes whose storage `n` writes into in place (through views resolved to their base)."""
+    return [_root(a) for a in mutated_inputs(gm, n)]
+
+
+def safe_regions(
+    gm: fx.GraphModule, regions: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """Regions moved so that none recomputes from a tensor written in place; notes say what moved.
+
+    A region that writes (directly or through a view) into a tensor made outside it starts after
+    the last such write; a region whose input is written in place after it is dropped.
+    """
+    compute = compute_nodes(gm.graph)
+    pos = {n: i for i, n in enumerate(compute)}
+    # Buffers (get_attr) are written by BatchNorm in exported graphs; they are restored after a recompute.
+    writes = [[r for r in written_roots(gm, n) if r.op != "get_attr"] for n in compute]
+    notes: list[str] = []
+    pending = sorted({(int(s), int(e)) for s, e in regions}, key=lambda r: (r[0], -r[1]))
+    done: list[tuple[int, int]] = []
+    while pending:
+        s, e = pending.pop(0)
+        orig = (s, e)
+        for outer in done:  # stay inside (or outside) every region already placed
+            if outer[0] > s and outer[0] <= e <= outer[1]:
+                s = outer[0]
+        moved = True
+        while moved and s <= e:
+            moved = False
+            for i in range(e, s - 1, -1):
+                if any(pos.get(r, -1) < s for r in writes[i]):
+                    notes.append(
+                        f"region {compute[orig[0]].name}..{compute[orig[1]].name}: starts after "
+                        f"{compute[i].name}, which writes in place into a tensor made before the region"
+                    )
+                    s, moved = i + 1, True
+                    break
+        if s > e:
+            continue
+        inside = set(compute[s : e + 1])
+        inputs = {_root(a) for m in inside for a in m.all_input_nodes if a not in inside and a.op != "get_attr"}
+        later = next((compute[j] for j in range(e + 1, len(compute)) if inputs & set(writes[j])), None)
+        if later is not None:
+            notes.append(
+                f"region {compute[s].name}..{compute[e].name} dropped: {later.name} writes in place into "
+                "one of its inputs after it, so it could not be recomputed"
+            )
+            continue
+        done.append((s, e))
+    return done, notes

@@ -51,13 +51,13 @@ def hf_vit():
 
     torch.manual_seed(0)
     cfg = ViTConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, image_size=32,
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128, image_size=64,
         patch_size=8,
     )
     # sdpa: HF builds an explicit attention mask when traced but not in eager mode, so the
     # captured graph saves 2 more tensors than the eager model; eager attention takes one path.
     cfg._attn_implementation = "eager"
-    return ViTModel(cfg), {"pixel_values": torch.randn(2, 3, 32, 32)}
+    return ViTModel(cfg), {"pixel_values": torch.randn(8, 3, 64, 64)}
 
 
 def hf_resnet():
@@ -65,7 +65,7 @@ def hf_resnet():
 
     torch.manual_seed(0)
     cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")
-    return ResNetModel(cfg), {"pixel_values": torch.randn(2, 3, 32, 32)}
+    return ResNetModel(cfg), {"pixel_values": torch.randn(8, 3, 64, 64)}
 
 
 class DataDependent(nn.Module):
