@@ -1,0 +1,524 @@
+"""Plan reports: one self-contained HTML (or Markdown) page with plots, and the data they need.
+
+At plan time the CLI stores in `plan.stats`:
+
+* ``timeline``: the simulator's memory timeline of the step for the plan and
+  for no checkpointing (`timeline_data`),
+* ``curves``: the memory/recompute curve of every registered solver
+  (`curve_data`), with this plan's point.
+
+A bench file (`ckpt-planner bench -o bench.json`) adds measured figures and
+measured timelines (`measure_timeline`). Plots are matplotlib (Agg) PNGs
+embedded as base64 data URIs, so the page needs nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "timeline_data",
+    "curve_data",
+    "plan_data",
+    "measure_timeline",
+    "step_times",
+    "bench",
+    "bench_table",
+    "summary_rows",
+    "figures",
+    "render",
+]
+
+_MAX_POINTS = 1500
+_OWN_STATS = ("timeline", "curves", "cli", "verify")
+
+
+def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) -> tuple[list[int], list[str]]:
+    """At most `limit` points; each kept point is the maximum of its bucket (peaks survive)."""
+    n = len(values)
+    if n <= limit:
+        return list(values), list(labels)
+    out_v, out_l = [], []
+    for b in range(limit):
+        lo, hi = b * n // limit, (b + 1) * n // limit
+        k = max(range(lo, max(hi, lo + 1)), key=values.__getitem__)
+        out_v.append(values[k])
+        out_l.append(labels[k])
+    return out_v, out_l
+
+
+def timeline_data(problem: Any, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Predicted live bytes after every simulator event of one step (forward, recompute, backward)."""
+    from solvers import simulate
+
+    sim = simulate(problem, regions, timeline=True)
+    values = [int(b) for _, _, b in sim.timeline]
+    phases = [p for p, _, _ in sim.timeline]
+    values, phases = _downsample(values, phases)
+    return {"bytes": values, "phase": phases, "peak_bytes": sim.peak_bytes, "events": len(sim.timeline)}
+
+
+def curve_data(
+    problem: Any,
+    solver_names: Sequence[str],
+    *,
+    points: int = 8,
+    forward_s: float = 0.0,
+    tick: Callable[[], None] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per solver, (peak bytes, recompute seconds) at `points` budgets from the fixed memory to the baseline peak.
+
+    Uses `solvers.sweep` when it exists, else one solve per budget; infeasible budgets are left out.
+    `tick` is called once per solver (progress bars).
+    """
+    import solvers
+    from solvers import InfeasibleBudgetError, simulate
+
+    base = simulate(problem, ()).peak_bytes
+    fixed = problem.fixed_bytes
+    budgets = [int(fixed + (base - fixed) * (k + 1) / points) for k in range(points)] if points > 0 else []
+    sweep = getattr(solvers, "sweep", None)
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for name in solver_names:
+        if sweep is not None:
+            found = list(sweep(problem, budgets, solver=name))
+        else:
+            found = []
+            for b in budgets:
+                try:
+                    found.append(solvers.solve(problem, b, name))
+                except InfeasibleBudgetError:
+                    found.append(None)
+        curves[name] = [
+            {
+                "budget_bytes": b,
+                "peak_bytes": s.peak_bytes,
+                "recompute_s": s.recompute_time,
+                "overhead": s.recompute_time / forward_s if forward_s > 0 else 0.0,
+                "regions": len(s.regions),
+            }
+            for b, s in zip(budgets, found)
+            if s is not None
+        ]
+        if tick is not None:
+            tick()
+    return curves
+
+
+def plan_data(
+    plan: Any, problem: Any, curve_solvers: Sequence[str], points: int, *, tick: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """What the report needs beyond the plan's own figures: `timeline` and `curves`, for plan.stats."""
+    forward = problem.total_time
+    return {
+        "timeline": {"plan": timeline_data(problem, plan.spans()), "baseline": timeline_data(problem, ())},
+        "curves": {
+            "solvers": curve_data(problem, curve_solvers, points=points, forward_s=forward, tick=tick),
+            "baseline": {"peak_bytes": plan.baseline_peak_bytes, "recompute_s": 0.0, "overhead": 0.0},
+            "plan": {
+                "solver": plan.solver,
+                "peak_bytes": plan.predicted_peak_bytes,
+                "recompute_s": plan.predicted_recompute_s,
+                "overhead": plan.predicted_recompute_s / forward if forward > 0 else 0.0,
+            },
+            "forward_s": forward,
+        },
+    }
+
+
+def measure_timeline(
+    module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], state: list[torch.Tensor]
+) -> dict[str, Any]:
+    """Measured live bytes after every op of one forward + backward (CPU: live storages; CUDA: allocated)."""
+    from torch.utils import _pytree as pytree
+
+    from .memory import LiveMemory
+
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    cuda = any(t.device.type == "cuda" for t in state + inputs)
+    values: list[int] = []
+    labels: list[str] = []
+    phase = ["forward"]
+
+    class Trace(LiveMemory):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            values.append(torch.cuda.memory_allocated() if cuda else self.current)
+            labels.append(phase[0])
+            return out
+
+    for p in state:
+        if isinstance(p, torch.nn.Parameter):
+            p.grad = None
+    mem = Trace()
+    mem.track(state, inputs)
+    with mem:
+        loss = loss_fn(module(*args, **kwargs))
+        phase[0] = "backward"
+        loss.backward()
+    for p in state:
+        if isinstance(p, torch.nn.Parameter):
+            p.grad = None
+    peak = max(values) if values else 0
+    values, labels = _downsample(values, labels)
+    return {"bytes": values, "phase": labels, "peak_bytes": peak, "source": "cuda allocated" if cuda else "live storages"}
+
+
+def step_times(
+    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, repeats: int = 3
+) -> tuple[float, float]:
+    """Median seconds of one forward + backward of `model` and of `module`, interleaved (after one warm-up each)."""
+    from .state import ModelState
+
+    params = list(model.parameters())
+    cuda = any(p.is_cuda for p in params)
+
+    def once(m: torch.nn.Module) -> float:
+        for p in params:
+            p.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(m(*args, **kwargs)).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with ModelState(model).preserved():
+        model.train()
+        module.train()
+        once(model), once(module)
+        pairs = [(once(model), once(module)) for _ in range(max(1, repeats))]
+        for p in params:
+            p.grad = None
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+
+
+def bench(
+    planner: Any,
+    example_inputs: Any,
+    solver_names: Sequence[str],
+    budget: dict[str, Any],
+    *,
+    tick: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Plan, verify, time and trace one step per solver, on a `planner.api.Planner` (`none`: no budget).
+
+    `budget` holds Planner.plan's budget_gb / budget_bytes / activation_budget.
+    Returns the bench file's dict: one row per solver with predicted and
+    measured peak, step time and its ratio to no checkpointing, solve time,
+    exactness and the measured memory timeline; a solver that cannot meet the
+    budget gets an 'infeasible' row.
+    """
+    import solvers
+
+    from .capture import flatten_for_graph, normalize_inputs
+    from .plan import graph_fingerprint
+    from .state import ModelState
+    from .verify import default_loss, verify
+
+    model, cap = planner.model, planner.capture
+    args, kwargs = normalize_inputs(example_inputs, model)
+    state = list(model.parameters()) + list(model.buffers())
+    rows: list[dict[str, Any]] = []
+    base_times: list[float] = []
+    budget_bytes = None
+    for name in solver_names:
+        try:
+            plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, **budget)
+        except solvers.InfeasibleBudgetError as e:
+            rows.append({"solver": name, "status": "infeasible", "error": str(e)})
+            budget_bytes = e.budget_bytes
+            if tick is not None:
+                tick(name)
+            continue
+        if name != "none":
+            budget_bytes = plan.budget_bytes
+        report = verify(model, plan, example_inputs, repeats=1)
+        base_s, step_s = step_times(model, plan.module, args, kwargs, default_loss)
+        base_times.append(base_s)
+        with ModelState(model).preserved():
+            plan.module.train()
+            timeline = measure_timeline(plan.module, args, kwargs, default_loss, state)
+        rows.append({
+            "solver": name,
+            "status": "ok",
+            "budget_bytes": None if name == "none" else plan.budget_bytes,
+            "regions": len(plan.regions),
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": report.measured_peak_bytes,
+            "baseline_measured_peak_bytes": report.baseline_measured_peak_bytes,
+            "prediction_error": report.prediction_error,
+            "predicted_recompute_s": plan.predicted_recompute_s,
+            "step_s": step_s,
+            "baseline_step_s": base_s,
+            "step_time_ratio": step_s / max(1e-12, base_s),
+            "solve_time_s": plan.solve_time_s,
+            "exact": report.exact,
+            "max_abs_grad_diff": report.max_abs_grad_diff,
+            "within_budget": name == "none" or report.within_budget,  # the baseline is not held to the budget
+            "timeline": timeline,
+        })
+        if tick is not None:
+            tick(name)
+    return {
+        "schema": "ckpt-planner/bench",
+        "version": 1,
+        "model": type(model).__name__,
+        "fingerprint": graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs)),
+        "budget_bytes": budget_bytes,
+        "baseline_peak_bytes": planner.baseline_peak_bytes,
+        "baseline_step_s": statistics.median(base_times) if base_times else None,
+        "rows": rows,
+    }
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    """The bench as a plain-text table."""
+    budget = _fmt_bytes(result["budget_bytes"]) if result.get("budget_bytes") else "none"
+    base = result.get("baseline_step_s")
+    lines = [
+        f"{result['model']} on {result.get('device', '?')}, budget {budget}"
+        + (f", no-checkpointing step {base * 1e3:.2f} ms" if base else ""),
+        f"{'solver':<10} {'predicted':>11} {'measured':>11} {'step ms':>9} {'x no ckpt':>9} {'solve s':>8}  exact  fits",
+    ]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['solver']:<10} {r['status']}: {r['error']}")
+            continue
+        lines.append(
+            f"{r['solver']:<10} {_fmt_bytes(r['predicted_peak_bytes']):>11} {_fmt_bytes(r['measured_peak_bytes']):>11} "
+            f"{r['step_s'] * 1e3:>9.2f} {r['step_time_ratio']:>9.2f} {r['solve_time_s']:>8.3f}  "
+            f"{'yes' if r['exact'] else 'NO':<5}  {'yes' if r['within_budget'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+# -- rendering ------------------------------------------------------------------
+
+
+def _fmt_bytes(n: Any) -> str:
+    from .plan import _fmt_bytes as fmt
+
+    return fmt(n)
+
+
+def summary_rows(plan: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
+    """(key, label, raw value, text) rows of the summary table; raw values are the plan file's."""
+    base, pred = plan["baseline_peak_bytes"], plan["predicted_peak_bytes"]
+    fwd = plan.get("baseline_step_s") or 0.0
+    rec = plan["predicted_recompute_s"]
+    budget = plan.get("budget_bytes")
+    rows = [
+        ("model", "model", plan.get("model") or "-", f"{plan.get('model') or '-'} ({plan.get('num_nodes', 0)} nodes, {plan.get('capture_method')})"),
+        ("solver", "solver", plan["solver"], f"{plan['solver']} (solved in {plan.get('solve_time_s', 0.0):.3f} s)"),
+        ("budget_bytes", "budget", budget, _fmt_bytes(budget) if budget is not None else "none (knee of the curve)"),
+        ("baseline_peak_bytes", "peak memory, no checkpointing (predicted)", base, _fmt_bytes(base)),
+        ("predicted_peak_bytes", "peak memory, this plan (predicted)", pred, _fmt_bytes(pred)),
+    ]
+    if plan.get("baseline_measured_peak_bytes") is not None:
+        v = plan["baseline_measured_peak_bytes"]
+        rows.append(("baseline_measured_peak_bytes", "peak memory, no checkpointing (measured)", v, _fmt_bytes(v)))
+    if plan.get("measured_peak_bytes") is not None:
+        v = plan["measured_peak_bytes"]
+        rows.append(("measured_peak_bytes", "peak memory, this plan (measured)", v, _fmt_bytes(v)))
+    rows += [
+        ("saved_bytes", "memory saved (predicted)", base - pred, f"{_fmt_bytes(base - pred)} ({100 * (base - pred) / max(1, base):.1f} %)"),
+        (
+            "predicted_recompute_s",
+            "recompute overhead",
+            rec,
+            f"{rec * 1e3:.2f} ms = {100 * rec / fwd if fwd > 0 else 0.0:.1f} % of the forward ({plan.get('time_source', 'measured')} times)",
+        ),
+        ("regions", "recomputed regions", len(plan["regions"]), f"{len(plan['regions'])} ({sum(1 for r in plan['regions'] if r.get('depth'))} nested)"),
+        ("fingerprint", "graph fingerprint", plan["fingerprint"], plan["fingerprint"]),
+    ]
+    return rows
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the report needs matplotlib: pip install 'ckpt-planner[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_series(ax, series: dict[str, Any], label: str, style: str) -> None:
+    n = len(series["bytes"])
+    xs = [i / max(1, n - 1) for i in range(n)]
+    ax.plot(xs, [b / 1e6 for b in series["bytes"]], style, label=f"{label} (peak {_fmt_bytes(series['peak_bytes'])})", lw=1.2)
+
+
+def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """PNG plots: 'timeline' (memory over the step) and 'curve' (memory vs recompute), where data exists."""
+    plt = _pyplot()
+    out: dict[str, bytes] = {}
+    stats = plan.get("stats", {})
+    timeline = stats.get("timeline") or {}
+    measured = {r["solver"]: r["timeline"] for r in (bench or {}).get("rows", []) if r.get("timeline")}
+    if timeline or measured:
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        if "baseline" in timeline:
+            _plot_series(ax, timeline["baseline"], "no checkpointing, predicted", "C7-")
+        if "plan" in timeline:
+            _plot_series(ax, timeline["plan"], f"{plan['solver']}, predicted", "C0-")
+            phases = timeline["plan"]["phase"]
+            start = next((i for i, ph in enumerate(phases) if ph != "forward"), None)
+            if start:
+                ax.axvline(start / max(1, len(phases) - 1), color="C0", ls="-.", lw=0.8, label="backward starts (plan)")
+        for name, style in (("none", "C7--"), (plan["solver"], "C3--")):
+            if name in measured:
+                _plot_series(ax, measured[name], f"{'no checkpointing' if name == 'none' else name}, measured", style)
+        if plan.get("budget_bytes"):
+            ax.axhline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
+        ax.set_xlabel("progress through the step (forward, then backward with recompute)")
+        ax.set_ylabel("live memory (MB)")
+        ax.set_title("Memory over one training step")
+        ax.legend(fontsize=7, loc="upper left")
+        out["timeline"] = _png(fig)
+    curves = stats.get("curves") or {}
+    if curves.get("solvers"):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, (name, pts) in enumerate(sorted(curves["solvers"].items())):
+            if pts:
+                pts = sorted(pts, key=lambda p: p["peak_bytes"])
+                ax.plot([p["peak_bytes"] / 1e6 for p in pts], [100 * p["overhead"] for p in pts], "o-", color=f"C{i}", label=name, ms=3)
+        base = curves.get("baseline")
+        if base:
+            ax.plot([base["peak_bytes"] / 1e6], [0.0], "s", color="k", label="no checkpointing")
+        mark = curves.get("plan")
+        if mark:
+            ax.plot([mark["peak_bytes"] / 1e6], [100 * mark["overhead"]], "*", color="red", ms=14, label=f"this plan ({mark['solver']})")
+        if plan.get("budget_bytes"):
+            ax.axvline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
+        ax.set_xlabel("predicted peak memory (MB)")
+        ax.set_ylabel("recompute (% of forward time)")
+        ax.set_title("Memory / overhead trade-off per solver")
+        ax.legend(fontsize=7)
+        out["curve"] = _png(fig)
+    return out
+
+
+def _region_rows(plan: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for i, r in enumerate(plan["regions"]):
+        rows.append([
+            str(i),
+            "  " * r.get("depth", 0) + f"{r['first_node']} .. {r['last_node']}",
+            ", ".join(r.get("modules", ())) or "(root)",
+            f"{r['end'] - r['start'] + 1}",
+            _fmt_bytes(r.get("saved_bytes", 0)),
+            f"{r.get('recompute_s', 0.0) * 1e3:.3f}",
+        ])
+    return rows
+
+
+_REGION_HEAD = ["#", "nodes (first .. last)", "modules recomputed", "nodes", "saved", "recompute ms"]
+_BENCH_HEAD = ["solver", "status", "predicted peak", "measured peak", "step ms", "x no ckpt", "solve s", "exact"]
+
+
+def _bench_rows(bench: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in bench.get("rows", []):
+        ok = r.get("status") == "ok"
+        rows.append([
+            r["solver"],
+            r.get("status", "-") if ok else f"{r.get('status')}: {r.get('error', '')}",
+            _fmt_bytes(r.get("predicted_peak_bytes")) if ok else "-",
+            _fmt_bytes(r.get("measured_peak_bytes")) if ok else "-",
+            f"{r['step_s'] * 1e3:.2f}" if ok else "-",
+            f"{r['step_time_ratio']:.2f}" if ok else "-",
+            f"{r['solve_time_s']:.3f}" if ok else "-",
+            ("yes" if r.get("exact") else "NO") if ok else "-",
+        ])
+    return rows
+
+
+def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:
+    stats = {k: v for k, v in plan.get("stats", {}).items() if k not in _OWN_STATS}
+    rows = [[k, json.dumps(v, default=str) if not isinstance(v, str) else v] for k, v in sorted(stats.items())]
+    rows += [[f"option {k}", json.dumps(v, default=str)] for k, v in sorted(plan.get("solver_options", {}).items())]
+    return rows
+
+
+def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: str = "html") -> str:
+    """The report page for a plan (the plan file's dict) and an optional bench file's dict."""
+    if fmt not in ("html", "md"):
+        raise ValueError(f"fmt: {fmt!r} is not 'html' or 'md'")
+    pngs = {k: base64.b64encode(v).decode() for k, v in figures(plan, bench).items()}
+    summary = summary_rows(plan)
+    sections: list[tuple[str, str, list[str], list[list[str]]]] = [
+        ("regions", "Recomputed regions", _REGION_HEAD, _region_rows(plan)),
+        ("solver-stats", "Solver statistics", ["statistic", "value"], _solver_stats(plan)),
+    ]
+    if bench:
+        sections.append(("bench", f"Bench ({bench.get('device', '?')}, budget {_fmt_bytes(bench.get('budget_bytes'))})", _BENCH_HEAD, _bench_rows(bench)))
+    captions = {"timeline": "Memory over one training step", "curve": "Memory / overhead trade-off"}
+    title = f"ckpt-planner report: {plan.get('model') or 'model'}"
+    if fmt == "md":
+        lines = [f"# {title}", "", "| | |", "|---|---|"]
+        lines += [f"| {label} | {text} |" for _, label, _, text in summary]
+        lines += [f"\nnote: {n}" for n in plan.get("notes", [])]
+        for key, png in pngs.items():
+            lines += ["", f"## {captions[key]}", "", f"![{captions[key]}](data:image/png;base64,{png})"]
+        for _, head, cols, rows in sections:
+            lines += ["", f"## {head}", ""]
+            if not rows:
+                lines.append("(none)")
+                continue
+            lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        return "\n".join(lines) + "\n"
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        f"<html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        "<h2>Summary</h2>",
+        "<table id='summary'>",
+    ]
+    for key, label, raw, text in summary:
+        parts.append(f"<tr data-key='{e(key)}' data-value='{e(json.dumps(raw))}'><th>{e(label)}</th><td>{e(text)}</td></tr>")
+    parts.append("</table>")
+    parts += [f"<p class='note'>note: {e(n)}</p>" for n in plan.get("notes", [])]
+    for key, png in pngs.items():
+        parts.append(f"<h2>{e(captions[key])}</h2><img id='plot-{key}' alt='{e(captions[key])}' src='data:image/png;base64,{png}'>")
+    for sid, head, cols, rows in sections:
+        parts.append(f"<h2>{e(head)}</h2>")
+        if not rows:
+            parts.append("<p>(none)</p>")
+            continue
+        parts.append(f"<table id='{sid}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+_CSS = (
+    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+    "table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;"
+    "font-size:13px;white-space:pre}th{background:#f4f4f4}img{max-width:100%}.note{color:#555}"
+)

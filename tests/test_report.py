@@ -1,0 +1,173 @@
+"""`ckpt-planner report`: a self-contained page whose figures are the plan file's, with its plots embedded."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.plan import _fmt_bytes
+
+FACTORY = '''
+import torch
+from planner.examples import MLPChain
+
+
+def make():
+    torch.manual_seed(0)
+    return MLPChain(d=32, blocks=4), (torch.randn(64, 32),)
+'''
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+class Page(HTMLParser):
+    """Summary rows (data-key -> data-value), images, and the text of every table by id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.summary: dict[str, object] = {}
+        self.images: list[str] = []
+        self.tables: dict[str, list[list[str]]] = {}
+        self._table: str | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and "data-key" in a:
+            self.summary[a["data-key"]] = json.loads(a["data-value"])
+        if tag == "img":
+            self.images.append(a.get("src", ""))
+        elif tag == "table":
+            self._table = a.get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self.tables[self._table].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None and self._table:
+            self.tables[self._table][-1].append("".join(self._cell))
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("report")
+    (d / "factory.py").write_text(FACTORY)
+    spec = f"{d}/factory.py:make"
+    assert main(["plan", spec, "--solver", "uniform", "--activation-budget", "0.7", "--verify", "--curve-points", "4",
+                 "--quiet", "-o", str(d / "plan.json")]) == 0
+    assert main(["bench", spec, "--solvers", "none,uniform", "--activation-budget", "0.7", "--quiet",
+                 "-o", str(d / "bench.json")]) == 0
+    return d
+
+
+def test_plan_file_carries_the_report_data(made):
+    plan = json.loads((made / "plan.json").read_text())
+    stats = plan["stats"]
+    # The stored timelines are the simulator's: their maxima are the plan's predicted figures.
+    assert stats["timeline"]["plan"]["peak_bytes"] == plan["predicted_peak_bytes"] == max(stats["timeline"]["plan"]["bytes"])
+    assert max(stats["timeline"]["baseline"]["bytes"]) == plan["baseline_peak_bytes"]
+    assert {"forward", "backward", "recompute"} <= set(stats["timeline"]["plan"]["phase"])
+    assert "recompute" not in stats["timeline"]["baseline"]["phase"]
+    curves = stats["curves"]
+    assert curves["plan"]["peak_bytes"] == plan["predicted_peak_bytes"]
+    assert curves["plan"]["recompute_s"] == plan["predicted_recompute_s"]
+    assert "uniform" in curves["solvers"] and "none" not in curves["solvers"]
+    for name, points in curves["solvers"].items():
+        assert points, name
+        for p in points:
+            assert p["peak_bytes"] <= p["budget_bytes"], (name, p)
+
+
+def test_html_report_embeds_plots_and_shows_the_plan_figures(made, capsys):
+    out = made / "report.html"
+    assert main(["report", str(made / "plan.json"), "--bench", str(made / "bench.json"), "-o", str(out)]) == 0
+    assert "report written to" in capsys.readouterr().out
+    plan = json.loads((made / "plan.json").read_text())
+    page = Page()
+    page.feed(out.read_text())
+    for key in ("solver", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes", "predicted_recompute_s",
+                "measured_peak_bytes", "baseline_measured_peak_bytes", "fingerprint"):
+        assert page.summary[key] == plan[key], key
+    assert page.summary["regions"] == len(plan["regions"])
+    assert page.summary["saved_bytes"] == plan["baseline_peak_bytes"] - plan["predicted_peak_bytes"]
+    rows = {r[0]: r[1] for r in page.tables["summary"]}
+    assert rows["peak memory, this plan (predicted)"] == _fmt_bytes(plan["predicted_peak_bytes"])
+    assert rows["peak memory, this plan (measured)"] == _fmt_bytes(plan["measured_peak_bytes"])
+
+    assert len(page.images) == 2  # memory timeline and memory/overhead curve
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+
+    regions = page.tables["regions"][1:]
+    assert len(regions) == len(plan["regions"])
+    for row, region in zip(regions, plan["regions"]):
+        assert region["first_node"] in row[1] and row[2] == ", ".join(region["modules"])
+
+    bench = json.loads((made / "bench.json").read_text())
+    shown = {r[0]: r for r in page.tables["bench"][1:]}
+    for r in bench["rows"]:
+        assert shown[r["solver"]][3] == _fmt_bytes(r["measured_peak_bytes"])
+
+
+def test_markdown_report(made, capsys):
+    out = made / "report.md"
+    assert main(["report", str(made / "plan.json"), "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "md"
+    plan = json.loads((made / "plan.json").read_text())
+    text = out.read_text()
+    assert f"| peak memory, this plan (predicted) | {_fmt_bytes(plan['predicted_peak_bytes'])} |" in text
+    assert text.count("](data:image/png;base64,") == 2
+    assert text.count("\n| ") >= len(plan["regions"]) + 10
+
+
+def test_report_of_a_plan_without_report_data(tmp_path):
+    """A plan saved from the Python API has no timeline or curves: the page still renders, without plots."""
+    from planner import optimize
+    from planner.examples import MLPChain
+
+    model = MLPChain(d=16, blocks=2)
+    import torch
+
+    plan = optimize(model, (torch.randn(8, 16),), solver="uniform", budget_bytes=10**9)
+    plan.save(tmp_path / "plan.json")
+    assert main(["report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "r.html"), "--quiet"]) == 0
+    page = Page()
+    page.feed((tmp_path / "r.html").read_text())
+    assert page.images == [] and page.summary["predicted_peak_bytes"] == plan.predicted_peak_bytes
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian package `chromium`)")
+def test_report_renders_in_headless_chromium(made, tmp_path):
+    out = made / "report_browser.html"
+    assert main(["report", str(made / "plan.json"), "--bench", str(made / "bench.json"), "-o", str(out), "--quiet"]) == 0
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", out.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    page = Page()
+    page.feed(proc.stdout)  # the DOM as the browser built it
+    plan = json.loads((made / "plan.json").read_text())
+    rows = {r[0]: r[1] for r in page.tables["summary"]}
+    assert rows["peak memory, this plan (predicted)"] == _fmt_bytes(plan["predicted_peak_bytes"])
+    assert rows["solver"].startswith("uniform")
+    assert len(page.images) == 2
