@@ -1,0 +1,319 @@
+"""Memory vs step time: our plans against the checkpointing users pick today, measured in one process.
+
+For each model, every contender runs the same training step (forward + backward)
+in the same process, timed round-robin so that machine noise hits them alike:
+
+- none: no checkpointing (the baseline);
+- per-block: every transformer layer checkpointed (HF `gradient_checkpointing_enable`,
+  non-reentrant), or each stage/block of a CNN wrapped by hand in torch.utils.checkpoint;
+- sequential: `torch.utils.checkpoint.checkpoint_sequential` with sqrt(n) segments, where the
+  model is a plain chain of blocks;
+- compile: `torch.compile` (inductor) with `torch._functorch.config.activation_memory_budget`
+  in 0.1 .. 0.9, and without a budget (its own baseline);
+- ours: every registered solver at activation budgets 0.25 / 0.5 / 0.75.
+
+Peak memory on CPU is the allocator's: the running sum of the `[memory]` events
+of `torch.profiler` (profile_memory=True), which sees allocations inside
+compiled code too; `LiveMemory` (a dispatch mode, blind inside compiled code)
+is recorded beside it for the no-checkpoint, per-block and sequential steps as
+a cross-check. On CUDA it
+is `max_memory_allocated` (and `max_memory_reserved`). Both include
+parameters, buffers and inputs.
+
+    python benchmarks/tradeoff.py                      # CPU sizes, all models (minutes)
+    python benchmarks/tradeoff.py --scale tiny --models gpt2 --out /tmp/t
+    python benchmarks/tradeoff.py --device cuda --scale full
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tradeoff_models import MODELS  # noqa: E402
+from tradeoff_report import write_report  # noqa: E402
+
+import solvers  # noqa: E402
+from planner.api import plan_from_solution  # noqa: E402
+from planner.capture import capture, normalize_inputs  # noqa: E402
+from planner.memory import LiveMemory  # noqa: E402
+from planner.profile import ProfileConfig, profile  # noqa: E402
+from planner.rewrite import rewrite  # noqa: E402
+from planner.verify import default_loss  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OUR_BUDGETS = (0.25, 0.5, 0.75)
+COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class Contender:
+    """One way to run the training step: a module, its family and its knob."""
+
+    def __init__(self, name: str, family: str, setting: float | None, module: nn.Module,
+                 params: list[nn.Parameter], **extra) -> None:
+        self.name, self.family, self.setting, self.module = name, family, setting, module
+        self.params = params  # aligned with the original model's parameters(), for the gradient check
+        self.extra = extra
+        self.times: list[float] = []
+        self.result: dict = {"name": name, "family": family, "setting": setting, **extra}
+
+
+def _step(c: Contender, args: tuple, kwargs: dict, device: torch.device) -> None:
+    for p in c.params:
+        p.grad = None
+    default_loss(c.module(*args, **kwargs)).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resident(c: Contender, args: tuple, kwargs: dict) -> int:
+    """Bytes of the parameters, buffers and inputs the step starts with (unique storages)."""
+    ts = list(c.module.parameters()) + list(c.module.buffers()) + [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in ts}.values())
+
+
+def _alloc_peak(c: Contender, args: tuple, kwargs: dict, device: torch.device) -> int:
+    """Peak bytes allocated above the start of one step, from the profiler's allocator events."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for p in c.params:
+        p.grad = None
+    with tprofile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        default_loss(c.module(*args, **kwargs)).backward()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            current += e.nbytes()  # bytes; negative for a free
+            peak = max(peak, current)
+    return peak
+
+
+def measure_memory(c: Contender, args: tuple, kwargs: dict, device: torch.device, base_grads) -> None:
+    """Peak memory of one step (allocator meter, LiveMemory for eager code) and the gradients' agreement."""
+    r = c.result
+    r["resident_bytes"] = _resident(c, args, kwargs)
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        for p in c.params:
+            p.grad = None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        default_loss(c.module(*args, **kwargs)).backward()
+        torch.cuda.synchronize(device)
+        r["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before + r["resident_bytes"]
+        r["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    else:
+        r["measured_peak_bytes"] = _alloc_peak(c, args, kwargs, device) + r["resident_bytes"]
+        if c.family in ("none", "per-block", "sequential"):  # the cross-check; ours run the same eager ops
+            for p in c.params:
+                p.grad = None
+            mem = LiveMemory()
+            mem.track(list(c.module.parameters()), list(c.module.buffers()), args, kwargs)
+            torch.manual_seed(0)
+            with mem:
+                default_loss(c.module(*args, **kwargs)).backward()
+            r["live_memory_peak_bytes"] = mem.peak
+    grads = [p.grad for p in c.params]
+    if base_grads is not None and len(grads) == len(base_grads):
+        diffs = [0.0 if a is None and b is None else float("inf") if (a is None) != (b is None)
+                 else (a.double() - b.double()).abs().max().item() for a, b in zip(grads, base_grads)]
+        r["max_abs_grad_diff"] = max(diffs, default=0.0)
+    for p in c.params:
+        p.grad = None
+
+
+def _compiled(model: nn.Module, budget: float | None) -> tuple[nn.Module, list[nn.Parameter]]:
+    """torch.compile(model) whose AOT partitioner runs under activation_memory_budget=budget."""
+    import torch._functorch.config as fconfig
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        if budget is None:
+            return compile_fx(gm, example_inputs)
+        with fconfig.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    # A copy per budget: dynamo's guards then tell the variants apart and all stay alive for interleaving.
+    twin = copy.deepcopy(model)
+    return torch.compile(twin, backend=backend), list(twin.parameters())
+
+
+def ours(case, args, kwargs, solver_names, budgets, meta: dict) -> list[Contender]:
+    """Capture and profile once, then solve and rewrite per (solver, activation budget), as optimize() does."""
+    t0 = time.perf_counter()
+    cap = capture(case.model, case.inputs)
+    cost = profile(cap, ProfileConfig())
+    problem = cost.to_problem(name=case.name)
+    meta["capture_profile_s"] = time.perf_counter() - t0
+    meta["capture_method"] = cap.method
+    meta["graph_nodes"] = len(cost.nodes)
+    base_peak = solvers.simulate(problem, ()).peak_bytes
+    meta["predicted_baseline_peak_bytes"] = base_peak
+    out = []
+    for name in solver_names:
+        for f in budgets:
+            budget = int(problem.fixed_bytes + f * (base_peak - problem.fixed_bytes))
+            t1 = time.perf_counter()
+            try:
+                sol = solvers.solve(problem, budget, name)
+            except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
+                meta.setdefault("infeasible", []).append({"solver": name, "activation_budget": f, "error": str(e)[:200]})
+                continue
+            wall = time.perf_counter() - t1
+            plan = plan_from_solution(cost, problem, sol, cap)
+            module = rewrite(cap.graph_module, plan.spans(), model=case.model)
+            out.append(Contender(f"ours-{name}@{f}", f"ours-{name}", f, module, list(case.model.parameters()),
+                                 predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
+                                 regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s))
+    return out
+
+
+def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats, warmup, log) -> dict:
+    meta: dict = {"name": case.name, "title": case.title, "shapes": case.shapes,
+                  "parameters": sum(p.numel() for p in case.model.parameters())}
+    contenders = [Contender("none", "none", None, case.model, list(case.model.parameters()))]
+    twin = copy.deepcopy(case.model)
+    contenders.append(Contender("per-block", "per-block", None, case.per_block(twin), list(twin.parameters()),
+                                how=case.per_block_how))
+    if case.sequential is not None:
+        twin = copy.deepcopy(case.model)
+        seq_module, n_blocks = case.sequential(twin)
+        contenders.append(Contender("sequential", "sequential", None, seq_module, list(twin.parameters()),
+                                    blocks=n_blocks, segments=round(math.sqrt(n_blocks))))
+    else:
+        meta["sequential"] = case.sequential_why
+    log(f"[{case.name}] capture + profile + solve")
+    contenders += ours(case, args, kwargs, solver_names, OUR_BUDGETS, meta)
+    if compile_budgets:
+        contenders.append(Contender("compile", "compile", 1.0, *_compiled(case.model, None)))
+        contenders += [Contender(f"compile@{b}", "compile", b, *_compiled(case.model, b)) for b in compile_budgets]
+    log(f"[{case.name}] {len(contenders)} contenders; warm-up (compiles {len(compile_budgets) + 1 if compile_budgets else 0})")
+    for c in contenders:
+        t0 = time.perf_counter()
+        try:
+            for _ in range(warmup):
+                _step(c, args, kwargs, device)
+        except Exception as e:  # a contender that fails is reported, not fatal
+            c.result["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        c.result["warmup_s"] = time.perf_counter() - t0
+    contenders = [c for c in contenders if "error" not in c.result] + [c for c in contenders if "error" in c.result]
+    live = [c for c in contenders if "error" not in c.result]
+    log(f"[{case.name}] memory")
+    torch.manual_seed(0)
+    measure_memory(live[0], args, kwargs, device, None)
+    torch.manual_seed(0)
+    _step(live[0], args, kwargs, device)
+    base_grads = [None if p.grad is None else p.grad.detach().clone() for p in live[0].params]
+    for c in live[1:]:
+        measure_memory(c, args, kwargs, device, base_grads)
+    log(f"[{case.name}] timing, {repeats} interleaved rounds")
+    for _ in range(repeats):
+        for c in live:
+            t0 = time.perf_counter()
+            _step(c, args, kwargs, device)
+            c.times.append(time.perf_counter() - t0)
+    base = statistics.median(live[0].times)
+    compile_base = next((statistics.median(c.times) for c in live if c.name == "compile"), None)
+    for c in live:
+        r = c.result
+        r["step_s"] = statistics.median(c.times)
+        r["step_times_s"] = c.times
+        r["time_vs_none"] = r["step_s"] / base
+        ref = compile_base if c.family == "compile" else base
+        r["overhead"] = r["step_s"] / ref - 1 if ref else None
+    meta["contenders"] = [c.result for c in contenders]
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--scale", choices=("tiny", "cpu", "full"), default="cpu")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--solvers", default=None,
+                    help="comma list (default: every registered solver but 'none', 'auto' and the test oracle 'bruteforce')")
+    ap.add_argument("--compile-budgets", default=",".join(map(str, COMPILE_BUDGETS)), help="'' skips torch.compile")
+    ap.add_argument("--compile-models", default=None, help="models that get the torch.compile contenders (default: all)")
+    ap.add_argument("--warm-compile", action="store_true",
+                    help="only compile every torch.compile variant and run one step (fills inductor's on-disk caches)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--note", default="", help="a line for the report (e.g. the machine was shared)")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    names = [m for m in a.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {unknown}; valid: {', '.join(MODELS)}")
+    # 'auto' runs the others and keeps the best predicted plan, so its plan is one of theirs
+    registered = sorted(s for s in solvers.SOLVERS if s not in ("none", "bruteforce", "auto"))
+    solver_names = [s for s in a.solvers.split(",") if s] if a.solvers else registered
+    compile_budgets = [float(b) for b in a.compile_budgets.split(",") if b]
+    import torch._dynamo as dynamo
+
+    dynamo.config.cache_size_limit = 64
+    dynamo.config.accumulated_cache_size_limit = 1024
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"{time.perf_counter() - start:7.1f}s {msg}", flush=True)
+
+    results = {
+        "meta": {
+            "scale": a.scale, "device": str(device), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "solvers_registered": sorted(solvers.SOLVERS),
+            "solvers_run": solver_names, "our_activation_budgets": list(OUR_BUDGETS),
+            "compile_budgets": compile_budgets, "repeats": a.repeats, "warmup": a.warmup, "note": a.note,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "memory_meter": "CUDA max_memory_allocated" if device.type == "cuda"
+            else "CPU allocator events (torch.profiler profile_memory) + resident parameters/buffers/inputs",
+        },
+        "models": [],
+    }
+    compile_models = a.compile_models.split(",") if a.compile_models is not None else names
+    results["meta"]["compile_models"] = compile_models
+    for name in names:
+        case = MODELS[name](a.scale, device)
+        args, kwargs = normalize_inputs(case.inputs, case.model)
+        case.model.train()
+        budgets = compile_budgets if name in compile_models else []
+        if a.warm_compile:
+            for b in [None, *budgets]:
+                module, params = _compiled(case.model, b)
+                _step(Contender("compile", "compile", b, module, params), args, kwargs, device)
+                log(f"[{name}] compiled and ran torch.compile at budget {b}")
+            continue
+        results["models"].append(run_model(case, args, kwargs, device, solver_names, budgets, a.repeats, a.warmup, log))
+        del case
+        dynamo.reset()
+        results["meta"]["total_s"] = time.perf_counter() - start
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(results, out)  # after every model, so that a cut-short run keeps what it measured
+        (out / "tradeoff.json").write_text(json.dumps(results, indent=1, default=float))
+        log(f"wrote {out / 'tradeoff.json'} and {out / 'tradeoff.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
