@@ -306,7 +306,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Optimize + verify with each solver side by side; table or JSON."""
     import solvers
 
-    from . import report as rep
+    from . import bench as rep
     from .errors import InputError
 
     if args.device == "meta":

@@ -8,7 +8,7 @@ At plan time the CLI stores in `plan.stats`:
   (`curve_data`), with this plan's point.
 
 A bench file (`ckpt-planner bench -o bench.json`) adds measured figures and
-measured timelines (`measure_timeline`). Plots are matplotlib (Agg) PNGs
+measured timelines (`planner.bench.measure_timeline`). Plots are matplotlib (Agg) PNGs
 embedded as base64 data URIs, so the page needs nothing else.
 """
 
@@ -18,21 +18,13 @@ import base64
 import html
 import io
 import json
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 __all__ = [
     "timeline_data",
     "curve_data",
     "plan_data",
-    "measure_timeline",
-    "step_times",
-    "bench",
-    "bench_table",
     "summary_rows",
     "figures",
     "render",
@@ -135,174 +127,6 @@ def plan_data(
     }
 
 
-def measure_timeline(
-    module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], state: list[torch.Tensor]
-) -> dict[str, Any]:
-    """Measured live bytes after every op of one forward + backward (CPU: live storages; CUDA: allocated)."""
-    from torch.utils import _pytree as pytree
-
-    from .memory import LiveMemory
-
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    cuda = any(t.device.type == "cuda" for t in state + inputs)
-    values: list[int] = []
-    labels: list[str] = []
-    phase = ["forward"]
-
-    class Trace(LiveMemory):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            values.append(torch.cuda.memory_allocated() if cuda else self.current)
-            labels.append(phase[0])
-            return out
-
-    for p in state:
-        if isinstance(p, torch.nn.Parameter):
-            p.grad = None
-    mem = Trace()
-    mem.track(state, inputs)
-    with mem:
-        loss = loss_fn(module(*args, **kwargs))
-        phase[0] = "backward"
-        loss.backward()
-    for p in state:
-        if isinstance(p, torch.nn.Parameter):
-            p.grad = None
-    peak = max(values) if values else 0
-    values, labels = _downsample(values, labels)
-    return {"bytes": values, "phase": labels, "peak_bytes": peak, "source": "cuda allocated" if cuda else "live storages"}
-
-
-def step_times(
-    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, repeats: int = 3
-) -> tuple[float, float]:
-    """Median seconds of one forward + backward of `model` and of `module`, interleaved (after one warm-up each)."""
-    from .state import ModelState
-
-    params = list(model.parameters())
-    cuda = any(p.is_cuda for p in params)
-
-    def once(m: torch.nn.Module) -> float:
-        for p in params:
-            p.grad = None
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss_fn(m(*args, **kwargs)).backward()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    with ModelState(model).preserved():
-        model.train()
-        module.train()
-        once(model), once(module)
-        pairs = [(once(model), once(module)) for _ in range(max(1, repeats))]
-        for p in params:
-            p.grad = None
-    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
-
-
-def bench(
-    planner: Any,
-    example_inputs: Any,
-    solver_names: Sequence[str],
-    budget: dict[str, Any],
-    *,
-    tick: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Plan, verify, time and trace one step per solver, on a `planner.api.Planner` (`none`: no budget).
-
-    `budget` holds Planner.plan's budget_gb / budget_bytes / activation_budget.
-    Returns the bench file's dict: one row per solver with predicted and
-    measured peak, step time and its ratio to no checkpointing, solve time,
-    exactness and the measured memory timeline; a solver that cannot meet the
-    budget gets an 'infeasible' row.
-    """
-    import solvers
-
-    from .capture import flatten_for_graph, normalize_inputs
-    from .plan import graph_fingerprint
-    from .state import ModelState
-    from .verify import default_loss, verify
-
-    model, cap = planner.model, planner.capture
-    args, kwargs = normalize_inputs(example_inputs, model)
-    state = list(model.parameters()) + list(model.buffers())
-    rows: list[dict[str, Any]] = []
-    base_times: list[float] = []
-    budget_bytes = None
-    for name in solver_names:
-        try:
-            plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, **budget)
-        except solvers.InfeasibleBudgetError as e:
-            rows.append({"solver": name, "status": "infeasible", "error": str(e)})
-            budget_bytes = e.budget_bytes
-            if tick is not None:
-                tick(name)
-            continue
-        if name != "none":
-            budget_bytes = plan.budget_bytes
-        report = verify(model, plan, example_inputs, repeats=1)
-        base_s, step_s = step_times(model, plan.module, args, kwargs, default_loss)
-        base_times.append(base_s)
-        with ModelState(model).preserved():
-            plan.module.train()
-            timeline = measure_timeline(plan.module, args, kwargs, default_loss, state)
-        rows.append({
-            "solver": name,
-            "status": "ok",
-            "budget_bytes": None if name == "none" else plan.budget_bytes,
-            "regions": len(plan.regions),
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "measured_peak_bytes": report.measured_peak_bytes,
-            "baseline_measured_peak_bytes": report.baseline_measured_peak_bytes,
-            "prediction_error": report.prediction_error,
-            "predicted_recompute_s": plan.predicted_recompute_s,
-            "step_s": step_s,
-            "baseline_step_s": base_s,
-            "step_time_ratio": step_s / max(1e-12, base_s),
-            "solve_time_s": plan.solve_time_s,
-            "exact": report.exact,
-            "max_abs_grad_diff": report.max_abs_grad_diff,
-            "within_budget": name == "none" or report.within_budget,  # the baseline is not held to the budget
-            "timeline": timeline,
-        })
-        if tick is not None:
-            tick(name)
-    return {
-        "schema": "ckpt-planner/bench",
-        "version": 1,
-        "model": type(model).__name__,
-        "fingerprint": graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs)),
-        "budget_bytes": budget_bytes,
-        "baseline_peak_bytes": planner.baseline_peak_bytes,
-        "baseline_step_s": statistics.median(base_times) if base_times else None,
-        "rows": rows,
-    }
-
-
-def bench_table(result: dict[str, Any]) -> str:
-    """The bench as a plain-text table."""
-    budget = _fmt_bytes(result["budget_bytes"]) if result.get("budget_bytes") else "none"
-    base = result.get("baseline_step_s")
-    lines = [
-        f"{result['model']} on {result.get('device', '?')}, budget {budget}"
-        + (f", no-checkpointing step {base * 1e3:.2f} ms" if base else ""),
-        f"{'solver':<10} {'predicted':>11} {'measured':>11} {'step ms':>9} {'x no ckpt':>9} {'solve s':>8}  exact  fits",
-    ]
-    for r in result["rows"]:
-        if r["status"] != "ok":
-            lines.append(f"{r['solver']:<10} {r['status']}: {r['error']}")
-            continue
-        lines.append(
-            f"{r['solver']:<10} {_fmt_bytes(r['predicted_peak_bytes']):>11} {_fmt_bytes(r['measured_peak_bytes']):>11} "
-            f"{r['step_s'] * 1e3:>9.2f} {r['step_time_ratio']:>9.2f} {r['solve_time_s']:>8.3f}  "
-            f"{'yes' if r['exact'] else 'NO':<5}  {'yes' if r['within_budget'] else 'NO'}"
-        )
-    return "\n".join(lines)
-
-
 # -- rendering ------------------------------------------------------------------
 
 
@@ -319,7 +143,12 @@ def summary_rows(plan: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
     rec = plan["predicted_recompute_s"]
     budget = plan.get("budget_bytes")
     rows = [
-        ("model", "model", plan.get("model") or "-", f"{plan.get('model') or '-'} ({plan.get('num_nodes', 0)} nodes, {plan.get('capture_method')})"),
+        (
+            "model",
+            "model",
+            plan.get("model") or "-",
+            f"{plan.get('model') or '-'} ({plan.get('num_nodes', 0)} nodes, {plan.get('capture_method')})",
+        ),
         ("solver", "solver", plan["solver"], f"{plan['solver']} (solved in {plan.get('solve_time_s', 0.0):.3f} s)"),
         ("budget_bytes", "budget", budget, _fmt_bytes(budget) if budget is not None else "none (knee of the curve)"),
         ("baseline_peak_bytes", "peak memory, no checkpointing (predicted)", base, _fmt_bytes(base)),
@@ -332,14 +161,24 @@ def summary_rows(plan: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
         v = plan["measured_peak_bytes"]
         rows.append(("measured_peak_bytes", "peak memory, this plan (measured)", v, _fmt_bytes(v)))
     rows += [
-        ("saved_bytes", "memory saved (predicted)", base - pred, f"{_fmt_bytes(base - pred)} ({100 * (base - pred) / max(1, base):.1f} %)"),
+        (
+            "saved_bytes",
+            "memory saved (predicted)",
+            base - pred,
+            f"{_fmt_bytes(base - pred)} ({100 * (base - pred) / max(1, base):.1f} %)",
+        ),
         (
             "predicted_recompute_s",
             "recompute overhead",
             rec,
             f"{rec * 1e3:.2f} ms = {100 * rec / fwd if fwd > 0 else 0.0:.1f} % of the forward ({plan.get('time_source', 'measured')} times)",
         ),
-        ("regions", "recomputed regions", len(plan["regions"]), f"{len(plan['regions'])} ({sum(1 for r in plan['regions'] if r.get('depth'))} nested)"),
+        (
+            "regions",
+            "recomputed regions",
+            len(plan["regions"]),
+            f"{len(plan['regions'])} ({sum(1 for r in plan['regions'] if r.get('depth'))} nested)",
+        ),
         ("fingerprint", "graph fingerprint", plan["fingerprint"], plan["fingerprint"]),
     ]
     return rows
@@ -368,7 +207,13 @@ def _pyplot():
 def _plot_series(ax, series: dict[str, Any], label: str, style: str) -> None:
     n = len(series["bytes"])
     xs = [i / max(1, n - 1) for i in range(n)]
-    ax.plot(xs, [b / 1e6 for b in series["bytes"]], style, label=f"{label} (peak {_fmt_bytes(series['peak_bytes'])})", lw=1.2)
+    ax.plot(
+        xs,
+        [b / 1e6 for b in series["bytes"]],
+        style,
+        label=f"{label} (peak {_fmt_bytes(series['peak_bytes'])})",
+        lw=1.2,
+    )
 
 
 def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[str, bytes]:
@@ -404,13 +249,27 @@ def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[s
         for i, (name, pts) in enumerate(sorted(curves["solvers"].items())):
             if pts:
                 pts = sorted(pts, key=lambda p: p["peak_bytes"])
-                ax.plot([p["peak_bytes"] / 1e6 for p in pts], [100 * p["overhead"] for p in pts], "o-", color=f"C{i}", label=name, ms=3)
+                ax.plot(
+                    [p["peak_bytes"] / 1e6 for p in pts],
+                    [100 * p["overhead"] for p in pts],
+                    "o-",
+                    color=f"C{i}",
+                    label=name,
+                    ms=3,
+                )
         base = curves.get("baseline")
         if base:
             ax.plot([base["peak_bytes"] / 1e6], [0.0], "s", color="k", label="no checkpointing")
         mark = curves.get("plan")
         if mark:
-            ax.plot([mark["peak_bytes"] / 1e6], [100 * mark["overhead"]], "*", color="red", ms=14, label=f"this plan ({mark['solver']})")
+            ax.plot(
+                [mark["peak_bytes"] / 1e6],
+                [100 * mark["overhead"]],
+                "*",
+                color="red",
+                ms=14,
+                label=f"this plan ({mark['solver']})",
+            )
         if plan.get("budget_bytes"):
             ax.axvline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
         ax.set_xlabel("predicted peak memory (MB)")
@@ -424,14 +283,16 @@ def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[s
 def _region_rows(plan: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i, r in enumerate(plan["regions"]):
-        rows.append([
-            str(i),
-            "  " * r.get("depth", 0) + f"{r['first_node']} .. {r['last_node']}",
-            ", ".join(r.get("modules", ())) or "(root)",
-            f"{r['end'] - r['start'] + 1}",
-            _fmt_bytes(r.get("saved_bytes", 0)),
-            f"{r.get('recompute_s', 0.0) * 1e3:.3f}",
-        ])
+        rows.append(
+            [
+                str(i),
+                "  " * r.get("depth", 0) + f"{r['first_node']} .. {r['last_node']}",
+                ", ".join(r.get("modules", ())) or "(root)",
+                f"{r['end'] - r['start'] + 1}",
+                _fmt_bytes(r.get("saved_bytes", 0)),
+                f"{r.get('recompute_s', 0.0) * 1e3:.3f}",
+            ]
+        )
     return rows
 
 
@@ -443,16 +304,18 @@ def _bench_rows(bench: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in bench.get("rows", []):
         ok = r.get("status") == "ok"
-        rows.append([
-            r["solver"],
-            r.get("status", "-") if ok else f"{r.get('status')}: {r.get('error', '')}",
-            _fmt_bytes(r.get("predicted_peak_bytes")) if ok else "-",
-            _fmt_bytes(r.get("measured_peak_bytes")) if ok else "-",
-            f"{r['step_s'] * 1e3:.2f}" if ok else "-",
-            f"{r['step_time_ratio']:.2f}" if ok else "-",
-            f"{r['solve_time_s']:.3f}" if ok else "-",
-            ("yes" if r.get("exact") else "NO") if ok else "-",
-        ])
+        rows.append(
+            [
+                r["solver"],
+                r.get("status", "-") if ok else f"{r.get('status')}: {r.get('error', '')}",
+                _fmt_bytes(r.get("predicted_peak_bytes")) if ok else "-",
+                _fmt_bytes(r.get("measured_peak_bytes")) if ok else "-",
+                f"{r['step_s'] * 1e3:.2f}" if ok else "-",
+                f"{r['step_time_ratio']:.2f}" if ok else "-",
+                f"{r['solve_time_s']:.3f}" if ok else "-",
+                ("yes" if r.get("exact") else "NO") if ok else "-",
+            ]
+        )
     return rows
 
 
@@ -474,7 +337,14 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
         ("solver-stats", "Solver statistics", ["statistic", "value"], _solver_stats(plan)),
     ]
     if bench:
-        sections.append(("bench", f"Bench ({bench.get('device', '?')}, budget {_fmt_bytes(bench.get('budget_bytes'))})", _BENCH_HEAD, _bench_rows(bench)))
+        sections.append(
+            (
+                "bench",
+                f"Bench ({bench.get('device', '?')}, budget {_fmt_bytes(bench.get('budget_bytes'))})",
+                _BENCH_HEAD,
+                _bench_rows(bench),
+            )
+        )
     captions = {"timeline": "Memory over one training step", "curve": "Memory / overhead trade-off"}
     title = f"ckpt-planner report: {plan.get('model') or 'model'}"
     if fmt == "md":
@@ -500,11 +370,15 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
         "<table id='summary'>",
     ]
     for key, label, raw, text in summary:
-        parts.append(f"<tr data-key='{e(key)}' data-value='{e(json.dumps(raw))}'><th>{e(label)}</th><td>{e(text)}</td></tr>")
+        parts.append(
+            f"<tr data-key='{e(key)}' data-value='{e(json.dumps(raw))}'><th>{e(label)}</th><td>{e(text)}</td></tr>"
+        )
     parts.append("</table>")
     parts += [f"<p class='note'>note: {e(n)}</p>" for n in plan.get("notes", [])]
     for key, png in pngs.items():
-        parts.append(f"<h2>{e(captions[key])}</h2><img id='plot-{key}' alt='{e(captions[key])}' src='data:image/png;base64,{png}'>")
+        parts.append(
+            f"<h2>{e(captions[key])}</h2><img id='plot-{key}' alt='{e(captions[key])}' src='data:image/png;base64,{png}'>"
+        )
     for sid, head, cols, rows in sections:
         parts.append(f"<h2>{e(head)}</h2>")
         if not rows:

@@ -1,0 +1,198 @@
+"""Side-by-side measurement of plans: step times, measured memory timelines and the bench file.
+
+`bench` plans, verifies, times and traces one training step per solver on a
+`planner.api.Planner`; `ckpt-planner bench` writes its result, and
+`ckpt-planner report --bench` plots the measured timelines beside the predicted ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .report import _downsample, _fmt_bytes
+
+__all__ = ["measure_timeline", "step_times", "bench", "bench_table"]
+
+
+def measure_timeline(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    loss_fn: Callable[[Any], torch.Tensor],
+    state: list[torch.Tensor],
+) -> dict[str, Any]:
+    """Measured live bytes after every op of one forward + backward (CPU: live storages; CUDA: allocated)."""
+    from torch.utils import _pytree as pytree
+
+    from .memory import LiveMemory
+
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    cuda = any(t.device.type == "cuda" for t in state + inputs)
+    values: list[int] = []
+    labels: list[str] = []
+    phase = ["forward"]
+
+    class Trace(LiveMemory):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            values.append(torch.cuda.memory_allocated() if cuda else self.current)
+            labels.append(phase[0])
+            return out
+
+    for p in state:
+        if isinstance(p, torch.nn.Parameter):
+            p.grad = None
+    mem = Trace()
+    mem.track(state, inputs)
+    with mem:
+        loss = loss_fn(module(*args, **kwargs))
+        phase[0] = "backward"
+        loss.backward()
+    for p in state:
+        if isinstance(p, torch.nn.Parameter):
+            p.grad = None
+    peak = max(values) if values else 0
+    values, labels = _downsample(values, labels)
+    return {
+        "bytes": values,
+        "phase": labels,
+        "peak_bytes": peak,
+        "source": "cuda allocated" if cuda else "live storages",
+    }
+
+
+def step_times(
+    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, repeats: int = 3
+) -> tuple[float, float]:
+    """Median seconds of one forward + backward of `model` and of `module`, interleaved (after one warm-up each)."""
+    from .state import ModelState
+
+    params = list(model.parameters())
+    cuda = any(p.is_cuda for p in params)
+
+    def once(m: torch.nn.Module) -> float:
+        for p in params:
+            p.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(m(*args, **kwargs)).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with ModelState(model).preserved():
+        model.train()
+        module.train()
+        once(model), once(module)
+        pairs = [(once(model), once(module)) for _ in range(max(1, repeats))]
+        for p in params:
+            p.grad = None
+    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+
+
+def bench(
+    planner: Any,
+    example_inputs: Any,
+    solver_names: Sequence[str],
+    budget: dict[str, Any],
+    *,
+    tick: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Plan, verify, time and trace one step per solver, on a `planner.api.Planner` (`none`: no budget).
+
+    `budget` holds Planner.plan's budget_gb / budget_bytes / activation_budget.
+    Returns the bench file's dict: one row per solver with predicted and
+    measured peak, step time and its ratio to no checkpointing, solve time,
+    exactness and the measured memory timeline; a solver that cannot meet the
+    budget gets an 'infeasible' row.
+    """
+    import solvers
+
+    from .capture import flatten_for_graph, normalize_inputs
+    from .plan import graph_fingerprint
+    from .state import ModelState
+    from .verify import default_loss, verify
+
+    model, cap = planner.model, planner.capture
+    args, kwargs = normalize_inputs(example_inputs, model)
+    state = list(model.parameters()) + list(model.buffers())
+    rows: list[dict[str, Any]] = []
+    base_times: list[float] = []
+    budget_bytes = None
+    for name in solver_names:
+        try:
+            plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, **budget)
+        except solvers.InfeasibleBudgetError as e:
+            rows.append({"solver": name, "status": "infeasible", "error": str(e)})
+            budget_bytes = e.budget_bytes
+            if tick is not None:
+                tick(name)
+            continue
+        if name != "none":
+            budget_bytes = plan.budget_bytes
+        report = verify(model, plan, example_inputs, repeats=1)
+        base_s, step_s = step_times(model, plan.module, args, kwargs, default_loss)
+        base_times.append(base_s)
+        with ModelState(model).preserved():
+            plan.module.train()
+            timeline = measure_timeline(plan.module, args, kwargs, default_loss, state)
+        rows.append(
+            {
+                "solver": name,
+                "status": "ok",
+                "budget_bytes": None if name == "none" else plan.budget_bytes,
+                "regions": len(plan.regions),
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "measured_peak_bytes": report.measured_peak_bytes,
+                "baseline_measured_peak_bytes": report.baseline_measured_peak_bytes,
+                "prediction_error": report.prediction_error,
+                "predicted_recompute_s": plan.predicted_recompute_s,
+                "step_s": step_s,
+                "baseline_step_s": base_s,
+                "step_time_ratio": step_s / max(1e-12, base_s),
+                "solve_time_s": plan.solve_time_s,
+                "exact": report.exact,
+                "max_abs_grad_diff": report.max_abs_grad_diff,
+                "within_budget": name == "none" or report.within_budget,  # the baseline is not held to the budget
+                "timeline": timeline,
+            }
+        )
+        if tick is not None:
+            tick(name)
+    return {
+        "schema": "ckpt-planner/bench",
+        "version": 1,
+        "model": type(model).__name__,
+        "fingerprint": graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs)),
+        "budget_bytes": budget_bytes,
+        "baseline_peak_bytes": planner.baseline_peak_bytes,
+        "baseline_step_s": statistics.median(base_times) if base_times else None,
+        "rows": rows,
+    }
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    """The bench as a plain-text table."""
+    budget = _fmt_bytes(result["budget_bytes"]) if result.get("budget_bytes") else "none"
+    base = result.get("baseline_step_s")
+    lines = [
+        f"{result['model']} on {result.get('device', '?')}, budget {budget}"
+        + (f", no-checkpointing step {base * 1e3:.2f} ms" if base else ""),
+        f"{'solver':<10} {'predicted':>11} {'measured':>11} {'step ms':>9} {'x no ckpt':>9} {'solve s':>8}  exact  fits",
+    ]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['solver']:<10} {r['status']}: {r['error']}")
+            continue
+        lines.append(
+            f"{r['solver']:<10} {_fmt_bytes(r['predicted_peak_bytes']):>11} {_fmt_bytes(r['measured_peak_bytes']):>11} "
+            f"{r['step_s'] * 1e3:>9.2f} {r['step_time_ratio']:>9.2f} {r['solve_time_s']:>8.3f}  "
+            f"{'yes' if r['exact'] else 'NO':<5}  {'yes' if r['within_budget'] else 'NO'}"
+        )
+    return "\n".join(lines)
