@@ -18,6 +18,13 @@ __all__ = ["auto", "auto_portfolio"]
 
 ILP_NODES = 2000  # nodes above which auto skips the MILP
 SMALL_NODES = 300  # nodes up to which the MILP runs uncoarsened checks quickly
+ILP_GAP = 0.005  # relative MIP gap auto accepts from the MILP
+
+
+def ilp_time_limit(problem: Problem, time_limit: float | None) -> float | None:
+    """Seconds auto gives the MILP: about one on small graphs, growing to time_limit at ILP_NODES nodes."""
+    scaled = 1.0 + 9.0 * min(problem.n, ILP_NODES) / 1000
+    return scaled if time_limit is None else min(time_limit, scaled)
 
 
 def auto_portfolio(problem: Problem) -> list[str]:
@@ -46,7 +53,7 @@ def auto(
     best = None  # (fits, time, peak, name, result)
     low = None
     for name in names:
-        options = {"time_limit": time_limit} if name == "ilp" else {}
+        options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP} if name == "ilp" else {}
         result = get_solver(name)(problem, budget_bytes, **options)
         sim = simulate(problem, result.regions)
         fits = sim.peak_bytes <= budget_bytes

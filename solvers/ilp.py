@@ -18,6 +18,15 @@ Memory constraints are the simulator's observations for flat plans:
   peak of the recompute pass (precomputed per candidate).
 
 Objective: recompute time, sum of the candidates' forward times.
+
+Numerics and strength: bytes are expressed in budget units and time in units
+of the whole forward, so coefficients are near 1 (raw bytes, ~1e8, let the
+solvers' absolute tolerances prune feasible plans: HiGHS once proved a wrong
+optimum that way). A storage's release indicator is bounded below by the
+*sum* of the keep arc and the region-start arc at a step (they are exclusive
+arcs of the path), which closes most of the relaxation's gap. Each answer is
+checked: objective against `recompute_time` of the plan read back, proven
+bound against the warm start; HiGHS is re-run without presolve if either fails.
 Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
 every plan is checked with `simulate` on the original problem and the
 budget tightened by the excess when it does not fit.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 import warnings
 from typing import Any
 
@@ -105,7 +115,9 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
     )
 
 
-def _backend(name: str, time_limit: float | None, gap: float, log_path: str, warm: bool = False):
+def _backend(
+    name: str, time_limit: float | None, gap: float, log_path: str, warm: bool = False, presolve: bool = True
+):
     import pulp
 
     if name == "auto":
@@ -125,13 +137,19 @@ def _backend(name: str, time_limit: float | None, gap: float, log_path: str, war
         except ImportError:
             raise ILPBackendError("backend 'highs' needs highspy: pip install highspy") from None
         return "highs", pulp.HiGHS(
-            msg=False, timeLimit=time_limit, gapRel=gap, threads=1, warmStart=warm, presolve="off"
-        )  # HiGHS 1.15 presolve returned a wrong optimum on this model (tests found one)
+            msg=False, timeLimit=time_limit, gapRel=gap, threads=1, warmStart=warm, presolve="on" if presolve else "off"
+        )
     raise ILPBackendError(f"backend: {name!r} is not one of 'cbc', 'highs', 'auto'")
 
 
 def _solve_milp(
-    problem: Problem, budget: int | None, backend: str, time_limit: float | None, gap: float, start=None
+    problem: Problem,
+    budget: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    start=None,
+    presolve: bool = True,
 ):
     """Build and solve the MILP; budget None minimises the peak instead. Returns (regions | None, stats).
 
@@ -142,11 +160,17 @@ def _solve_milp(
     n, nodes, storages = problem.n, problem.nodes, problem.storages
     saves = saver_flags(problem)
     at, before = grad_bytes_by_step(problem)
-    fixed = problem.fixed_bytes  # bytes
-    out_bytes = sum(st.nbytes for st in storages if st.is_output)
+    # Bytes are counted in units of the budget (or of the no-checkpoint peak) and time in units of the
+    # whole forward: coefficients near 1 keep the solver's tolerances meaningful.
+    unit = float(budget if budget else max(1, simulate(problem, ()).peak_bytes))
+    nb = [st.nbytes / unit for st in storages]
+    fixed = problem.fixed_bytes / unit
+    out_bytes = sum(nb[t] for t, st in enumerate(storages) if st.is_output)
+    at, before = [v / unit for v in at], [v / unit for v in before]
+    tunit = sum(node.time for node in nodes) or 1.0
     prefix = [0.0]
     for node in nodes:
-        prefix.append(prefix[-1] + node.time)
+        prefix.append(prefix[-1] + node.time / tunit)
     cands = [(s, e) for e in range(n) if saves[e] for s in range(e, -1, -1) if all(nodes[i].recomputable for i in range(s, e + 1))]
     readers: list[list[int]] = [[] for _ in storages]
     for i, node in enumerate(nodes):
@@ -172,12 +196,12 @@ def _solve_milp(
         nonlocal infeasible
         expr = pulp.lpSum([expr])
         if budget is not None and not expr.keys():
-            infeasible = infeasible or expr.constant > budget
+            infeasible = infeasible or expr.constant > cap + 1e-12
         else:
             prob.addConstraint(expr <= cap)
 
     peak_var = new_var("peak") if budget is None else None
-    cap = peak_var if budget is None else budget  # bytes
+    cap = peak_var if budget is None else 1.0  # budget units
     x = {c: new_var(f"x_{c[0]}_{c[1]}", 0, 1, "Binary") for c in cands}
     keep = [new_var(f"keep_{i}", 0, 1) for i in range(n)]
     starting: list[list[tuple[int, int]]] = [[] for _ in range(n)]
@@ -214,12 +238,15 @@ def _solve_milp(
             var = new_var(f"y_{t}_{k}", 0, 1)
             if prev is not None:
                 prob += var >= prev
-            if k in savers:
-                prob += var >= keep[k]
+            # Keeping node k and starting a region at k are exclusive arcs of the path: their sum is a valid
+            # (and, in the relaxation, much tighter) lower bound than either alone.
+            release = [keep[k]] if k in savers else []
             if k > p:
                 later = [i for i in readers[t] if i >= k]
                 if later and (k, min(later)) in cover:
-                    prob += var >= cover[(k, min(later))]
+                    release.append(cover[(k, min(later))])
+            if release:
+                prob += var >= pulp.lpSum(release)
             ys.append(var)
             prev = var
         y_at[t] = ys
@@ -229,7 +256,7 @@ def _solve_milp(
         terms = []
         for t in made_at[k]:
             if t in y_at:
-                terms.append(storages[t].nbytes * y_at[t][0])
+                terms.append(nb[t] * y_at[t][0])
         W.append(terms)
     w_vars, acc = [], None
     for k in range(n):
@@ -237,20 +264,20 @@ def _solve_milp(
         for t, K in span.items():
             p = storages[t].producer
             if p < k <= K:
-                delta.append(storages[t].nbytes * (y_at[t][k - p] - y_at[t][k - p - 1]))
+                delta.append(nb[t] * (y_at[t][k - p] - y_at[t][k - p - 1]))
         var = new_var(f"w_{k}")
         prob += var == (acc if acc is not None else 0) + pulp.lpSum(delta)
         w_vars.append(var)
         acc = var
     # Forward: kept storages freed before j stay; the rest of the live set is plan-independent.
     live_fw = [0] * (n + 1)
-    for st in storages:
+    for t, st in enumerate(storages):
         end = n - 1 if st.is_output else st.last_use
-        live_fw[st.producer] += st.nbytes
-        live_fw[end + 1] -= st.nbytes
+        live_fw[st.producer] += nb[t]
+        live_fw[end + 1] -= nb[t]
     run, freed = 0, [[] for _ in range(n)]
     for t, K in span.items():
-        freed[storages[t].last_use].append(storages[t].nbytes * y_at[t][K - storages[t].producer])
+        freed[storages[t].last_use].append(nb[t] * y_at[t][K - storages[t].producer])
     acc_fw = None
     for j in range(n):
         run += live_fw[j]
@@ -258,7 +285,7 @@ def _solve_milp(
             var = new_var(f"f_{j}")
             prob += var == (acc_fw if acc_fw is not None else 0) + pulp.lpSum(freed[j - 1])
             acc_fw = var
-        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes)
+        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes / unit)
     # Bytes the recompute of a region starting at s keeps at step k: made at >= s, first saver <= k.
     keep_rc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     by_p = [0] * n
@@ -268,7 +295,7 @@ def _solve_milp(
             kept_by_k[f].append(t)
     for k in range(n):
         for t in kept_by_k[k]:
-            by_p[storages[t].producer] += storages[t].nbytes
+            by_p[storages[t].producer] += nb[t]
         acc_s = 0
         for s in range(k, -1, -1):
             acc_s += by_p[s]
@@ -287,12 +314,12 @@ def _solve_milp(
             for j in range(s, e + 1):
                 for t in made_at[j]:
                     st = storages[t]
-                    live += st.nbytes
+                    live += nb[t]
                     f = first_saver[t]
                     if f is None or f > e:
                         end = min(st.last_use, e)
-                        frees[end] = frees.get(end, 0) + st.nbytes
-                peak = max(peak, live + nodes[j].temp_bytes)
+                        frees[end] = frees.get(end, 0) + nb[t]
+                peak = max(peak, live + nodes[j].temp_bytes / unit)
                 live -= frees.pop(j, 0)
             terms.append(peak * x[(s, e)])
         at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes)
@@ -311,7 +338,7 @@ def _solve_milp(
         log_path = os.path.join(tmp, "cbc.log")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
-            name, solver = _backend(backend, time_limit, gap, log_path, warm)
+            name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
             prob.solve(solver)
         stats: dict[str, Any] = {
             "backend": name,
@@ -322,17 +349,20 @@ def _solve_milp(
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             return None, stats
         objective = pulp.value(prob.objective) or 0.0
-        bound = _best_bound(name, prob, log_path)
+        bound = _best_bound(name, prob, log_path, objective)
+        scale = 1.0 if budget is None else tunit  # objective back in bytes-units / seconds
+        stats["objective"] = objective * (unit if budget is None else scale)
         if bound is not None:
+            stats["bound"] = min(bound, objective) * (unit if budget is None else scale)
             stats["gap"] = 0.0 if objective <= 1e-12 else max(0.0, (objective - bound) / abs(objective))
         elif prob.sol_status == pulp.LpSolutionOptimal:
             stats["gap"] = 0.0
-        stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-9)
+        stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-6)
     regions = tuple(sorted(c for c, v in x.items() if (v.value() or 0) > 0.5))
     return regions, stats
 
 
-def _best_bound(name: str, prob, log_path: str) -> float | None:
+def _best_bound(name: str, prob, log_path: str, objective: float) -> float | None:
     """The solver's proven lower bound on the objective, where it tells."""
     if name == "highs":
         try:
@@ -344,12 +374,50 @@ def _best_bound(name: str, prob, log_path: str) -> float | None:
             text = fh.read()
     except OSError:
         return None
-    found = re.findall(r"best possible ([-0-9.eE+]+)", text)
-    if found:
-        return float(found[-1])
-    if "Optimal solution found" in text:
-        return None
+    # CBC's closing summary: "Result - Optimal solution found" (search completed: the incumbent is proven),
+    # or "Result - Stopped on time limit" followed by "Lower bound:". The "best possible" of the progress
+    # lines is a snapshot taken during the search, stale once it completes.
+    result = re.search(r"^Result - (.*)$", text, re.MULTILINE)
+    lower = re.search(r"^Lower bound:\s+([-0-9.eE+]+)", text, re.MULTILINE)
+    if lower:
+        return float(lower.group(1))
+    if result and result.group(1).startswith("Optimal solution found"):
+        if "tolerance" not in result.group(1):
+            return objective
+        found = re.findall(r"best possible ([-0-9.eE+]+)", text)
+        return float(found[-1]) if found else None
     return None
+
+
+def _checked_solve(
+    problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool
+) -> tuple[tuple[tuple[int, int], ...] | None, dict[str, Any]]:
+    """Solve the MILP and check its claims against the cost model; re-solve without presolve when they fail.
+
+    Checks: the objective equals the recompute time of the plan read back (when `exact`, i.e. not
+    coarsened), and no known plan (the warm start) beats the lower bound the solver proved.
+    """
+    stats: dict[str, Any] = {}
+    regions = None
+    for presolve in (True, False):
+        regions, stats = _solve_milp(problem, budget, backend, time_limit, gap, start, presolve)
+        if regions is None:
+            return None, stats
+        problems = []
+        if exact:
+            actual = recompute_time(problem, regions)
+            if abs(actual - stats["objective"]) > 1e-6 * max(1e-9, problem.total_time):
+                problems.append(f"objective {stats['objective']:.9g} s but the plan recomputes {actual:.9g} s")
+        if start is not None and "bound" in stats:
+            known = recompute_time(problem, start)
+            if known < stats["bound"] - 1e-6 * max(1e-9, problem.total_time):
+                problems.append(f"the warm start ({known:.9g} s) beats the proven bound {stats['bound']:.9g} s")
+        if not problems:
+            return regions, stats
+        stats = {**stats, "optimal": False, "check_failed": "; ".join(problems)}
+        if stats.get("backend") != "highs":
+            break  # CBC has no presolve switch here: report the failed check
+    return regions, stats
 
 
 @register("ilp")
@@ -360,16 +428,24 @@ def ilp(
     backend: str = "cbc",
     time_limit: float | None = 20.0,
     gap: float = 0.0,
-    max_nodes: int = 48,
+    max_nodes: int = 96,
     max_retries: int = 6,
     warm_start: bool = True,
 ) -> SolverResult:
-    """Least recompute time over flat region plans (exact when the graph is not coarsened)."""
+    """Least recompute time over flat region plans (exact when the graph is not coarsened).
+
+    `time_limit` bounds the whole call (every MILP solve it makes), in seconds.
+
+    stats: `optimal` (the MILP was solved to within `gap`), `gap` (the solver's proven relative gap),
+    `exact` (not coarsened: the MILP is the simulator's model), `check_failed` (the solver's answer
+    disagreed with the cost model, see `_checked_solve`).
+    """
     n = problem.n
     if n == 0:
         return SolverResult(regions=(), stats={"nodes": 0, "coarse_nodes": 0})
     coarse, groups = coarsen(problem, max_nodes)
-    stats: dict[str, Any] = {"nodes": n, "coarse_nodes": coarse.n}
+    exact = coarse.n == n
+    stats: dict[str, Any] = {"nodes": n, "coarse_nodes": coarse.n, "exact": exact}
 
     def lift(regions):
         return tuple((groups[s][0], groups[e][1]) for s, e in regions)
@@ -377,6 +453,11 @@ def ilp(
     base = simulate(problem, ())
     if budget_bytes is None or base.peak_bytes <= budget_bytes:
         return SolverResult(regions=(), stats={**stats, "min_peak_bytes": base.peak_bytes})
+    t0 = time.perf_counter()
+
+    def left() -> float | None:
+        return None if time_limit is None else max(0.5, time_limit - (time.perf_counter() - t0))
+
     target, best_low = budget_bytes, None
     for attempt in range(max_retries + 1):
         start = None
@@ -384,11 +465,10 @@ def ilp(
             heuristic = GreedyPlanner(coarse).plan(target)
             if heuristic.stats.get("min_peak_bytes", target + 1) <= target:
                 start = trim_flat_regions(coarse, heuristic.regions)
-        regions, info = _solve_milp(coarse, target, backend, time_limit, gap, start)
+        regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact)
         stats.update(info)
         if start is not None:
-            fallback = lift(start)
-            if regions is None or recompute_time(problem, fallback) < recompute_time(problem, lift(regions)):
+            if regions is None or recompute_time(coarse, start) < recompute_time(coarse, regions):
                 stats["from_warm_start"] = True  # the solver stopped before matching its start
                 regions = start
         if regions is None:
@@ -400,7 +480,7 @@ def ilp(
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
         target -= peak - budget_bytes
     # Nothing fits: the lowest peak the model reaches.
-    low, info = _solve_milp(coarse, None, backend, time_limit, gap)
+    low, info = _solve_milp(coarse, None, backend, left(), gap)
     if low is not None:
         low = lift(low)
         peak = simulate(problem, low).peak_bytes
