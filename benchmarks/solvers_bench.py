@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -122,12 +123,18 @@ def run_case(problem: Problem, solvers: dict) -> list[dict]:
                     "recompute_s": sol.recompute_time,
                     "overhead": sol.recompute_time / max(problem.total_time, 1e-12),
                     "peak_bytes": sol.peak_bytes,
-                    "stats": {k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
+                    "stats": {
+                        k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str, bool)) or v is None
+                    },
                 }
             except InfeasibleBudgetError as err:
                 row = {"fits": False, "smallest_bytes": err.smallest_bytes}
             row.update(
-                problem=problem.name, nodes=problem.n, budget_frac=frac, budget_bytes=budget, solver=name,
+                problem=problem.name,
+                nodes=problem.n,
+                budget_frac=frac,
+                budget_bytes=budget,
+                solver=name,
                 solve_s=time.perf_counter() - t0,
             )
             case.append(row)
@@ -135,17 +142,26 @@ def run_case(problem: Problem, solvers: dict) -> list[dict]:
         best = [r["recompute_s"] for r in case if r["fits"] and r["solver"] in ("dp", "ilp")]
         for r in case:
             if r["fits"] and best:
-                r["gap_vs_best"] = r["recompute_s"] / min(best) - 1 if min(best) > 0 else (0.0 if r["recompute_s"] == 0 else None)
+                r["gap_vs_best"] = (
+                    r["recompute_s"] / min(best) - 1 if min(best) > 0 else (0.0 if r["recompute_s"] == 0 else None)
+                )
         rows += case
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def machine_load() -> dict:
+    """CPU count and 1-minute load average: solve times on a shared machine scale with the load."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpus": os.cpu_count(), "load_avg_1min": None if load is None else round(load, 2)}
+
+
+def markdown(rows: list[dict], machine: dict | None = None) -> str:
     lines = [
         "# Solver benchmark",
         "",
         "Budget = fixed + fraction x activation memory of the no-checkpoint step. Gap: recompute time over the",
         "best of dp / ilp on the same case, minus one. `-`: the solver found no plan within the budget.",
+        "Solve s: wall-clock of `solvers.solve`, which re-simulates the returned plan (included).",
         "",
         "| problem | nodes | budget | solver | solve s | fits | recompute overhead | gap vs best |",
         "|---|---:|---:|---|---:|---|---:|---:|",
@@ -159,6 +175,12 @@ def markdown(rows: list[dict]) -> str:
             if r["fits"]
             else f"| {r['problem']} | {r['nodes']} | {r['budget_frac']:.0%} | {r['solver']} | {r['solve_s']:.2f} | no | - | - |"
         )
+    if machine:
+        lines += [
+            "",
+            f"Machine: {machine['cpus']} CPUs; 1-minute load average {machine['start']['load_avg_1min']} at the start, "
+            f"{machine['end']['load_avg_1min']} at the end (other jobs share the CPUs: compare times within a run).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -174,13 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(Problem.from_dict(json.loads(Path(path).read_text())))
     rows = []
     t0 = time.perf_counter()
+    start = machine_load()
     for problem in problems:
         rows += run_case(problem, SOLVERS)
+    machine = {"cpus": start["cpus"], "start": start, "end": machine_load()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "solvers.json").write_text(
-        json.dumps({"total_s": time.perf_counter() - t0, "solver_options": SOLVERS, "rows": rows}, indent=1)
+        json.dumps(
+            {"total_s": time.perf_counter() - t0, "machine": machine, "solver_options": SOLVERS, "rows": rows}, indent=1
+        )
     )
-    (RESULTS / "solvers.md").write_text(markdown(rows))
+    (RESULTS / "solvers.md").write_text(markdown(rows, machine))
     print(f"wrote {RESULTS / 'solvers.json'} and {RESULTS / 'solvers.md'} in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .dp import recompute_time, saver_flags
+from .costs import recompute_time, saver_flags
 from .problem import Problem
 from .registry import SolverResult, register
 from .simulate import simulate

@@ -1,7 +1,9 @@
 """`dp`: dynamic programming over nested checkpoint schedules on a chain of stages.
 
 The graph is linearised into stages (single nodes when the graph is small,
-else runs of nodes cut at cheap cuts). On that chain the solver is exact over
+else runs of nodes cut at cheap cuts, always including the boundaries of
+repeated blocks: module-path changes such as one decoder layer to the next,
+and cuts that are the least in their neighbourhood). On that chain the solver is exact over
 the *rotor family* of plans: laminar (nested) region families whose regions
 are unions of whole stages, where the last stage of every region and of the
 whole graph runs in its enclosing context (it is not inside a child region).
@@ -11,12 +13,17 @@ multi-level schedules that reach O(log n) memory.
 
 The recursion's memory model is that of `simulate` on chain problems whose
 every node saves something (each node reads only its predecessor's output);
-on other graphs it is an approximation, so every plan it returns is checked
-with `simulate` and, when it does not fit, the internal budget is tightened.
+on other graphs it is an approximation (a storage that several stages far
+apart save, such as an attention mask, is counted once at every stage after
+the one that makes it), so every plan it returns is checked
+with `simulate`: when it does not fit, the internal budget is tightened; when
+it leaves room (the chain counts a storage read by many stages, such as an
+attention mask, at every cut it crosses), larger internal budgets are probed.
 
-Memory is discretised into slots: sizes are counted in units of the greatest
+Memory is discretised into slots over headrooms up to 1.5 x the simulated
+no-checkpoint activation memory: sizes are counted in units of the greatest
 common divisor of all sizes when that gives few enough slots (then the model
-is exact), else in units of range / slots with sizes rounded up.
+is exact), else in units of range / slots with sizes rounded to nearest.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from dataclasses import dataclass
 from functools import reduce
 from typing import Any
 
-from .basic import equal_cost_segments
+from .costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
 from .problem import Problem
 from .registry import SolverResult, register
-from .simulate import normalize_regions, region_parents, simulate
+from .simulate import simulate
+from .stages import _dp_stage_bounds
 
 __all__ = [
     "DPConfig",
@@ -48,101 +56,6 @@ class MissingDependencyError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------
-# Cost-model primitives shared by the solvers (all plan-independent or exact).
-
-
-def saver_flags(problem: Problem) -> list[bool]:
-    """saves[k]: node k's backward keeps at least one storage."""
-    saves = [False] * problem.n
-    for st in problem.storages:
-        for k in st.saved_by:
-            saves[k] = True
-    return saves
-
-
-def grad_bytes_by_step(problem: Problem) -> tuple[list[int], list[int]]:
-    """Gradient bytes the simulator holds at each backward step; the plan does not change them.
-
-    Returns (at, before): at[k] is live at the observation of node k's backward
-    (after its input gradients appear), before[k] is live when a recompute
-    triggered at step k runs (before step k adds anything). Parameter gradients
-    included. # bytes
-    """
-    n = problem.n
-    last_consumer = [-1] * n
-    for i, node in enumerate(problem.nodes):
-        for j in set(node.inputs):
-            last_consumer[j] = max(last_consumer[j], i)
-    d_at, d_before = [0] * (n + 1), [0] * (n + 1)
-    for j, node in enumerate(problem.nodes):
-        c = last_consumer[j]
-        if node.grad_bytes and c > j:
-            d_at[j] += node.grad_bytes  # live for j <= k <= c
-            d_at[c + 1] -= node.grad_bytes
-            d_before[j] += node.grad_bytes  # live for j <= k < c
-            d_before[c] -= node.grad_bytes
-    at, before = [0] * n, [0] * n
-    acc_at = acc_before = 0
-    suffix = [0] * (n + 1)
-    for k in range(n - 1, -1, -1):
-        suffix[k] = suffix[k + 1] + problem.nodes[k].param_grad_bytes
-    for k in range(n):
-        acc_at += d_at[k]
-        acc_before += d_before[k]
-        at[k] = acc_at + suffix[k]
-        before[k] = acc_before + suffix[k + 1]
-    return at, before
-
-
-def recompute_time(problem: Problem, regions) -> float:
-    """The simulator's recompute time of a plan, without replaying memory. # seconds"""
-    regions = normalize_regions(problem, regions)
-    if not regions:
-        return 0.0
-    nodes, storages = problem.nodes, problem.storages
-    saves = saver_flags(problem)
-    parents = region_parents(regions)
-    inner = [-1] * problem.n
-    for r, (s, e) in enumerate(regions):
-        for i in range(s, e + 1):
-            inner[i] = r
-    has_inputs = [any(storages[t].producer < s for i in range(s, e + 1) for t in nodes[i].reads) for s, e in regions]
-    child_stops: list[list[int]] = [[] for _ in regions]
-    for c, p in enumerate(parents):
-        if p >= 0 and has_inputs[c]:
-            child_stops[p].append(regions[c][0] - 1)
-    prefix = [0.0]
-    for node in nodes:
-        prefix.append(prefix[-1] + node.time)
-    total = 0.0
-    for r, (s, e) in enumerate(regions):
-        if not any(saves[k] for k in range(s, e + 1)):
-            continue
-        own = [k for k in range(s, e + 1) if saves[k] and inner[k] == r] + child_stops[r]
-        stop = max(own) if own else s - 1
-        if stop >= s:
-            total += prefix[stop + 1] - prefix[s]
-    return total
-
-
-def trim_flat_regions(problem: Problem, regions, saves: list[bool] | None = None) -> tuple[tuple[int, int], ...]:
-    """Drop regions without a saving node and cut trailing non-saving nodes off the others.
-
-    For flat (non-nested) plans this never raises the simulated peak nor the
-    recompute time: those nodes are never re-run, and outside the region they
-    no longer make their inputs region inputs.
-    """
-    saves = saves if saves is not None else saver_flags(problem)
-    out = []
-    for s, e in regions:
-        while e >= s and not saves[e]:
-            e -= 1
-        if e >= s:
-            out.append((s, e))
-    return tuple(out)
-
-
-# ---------------------------------------------------------------------------
 # The stage chain.
 
 
@@ -153,14 +66,16 @@ class DPConfig:
     max_stages: int = 100
     """Chains longer than this are merged into this many stages (cut at cheap cuts)."""
     slots: int = 128
-    """Memory slots of the table when sizes have no common unit that needs fewer."""
+    """Least number of memory slots of the table when sizes have no common unit that needs fewer;
+    up to 512 are used while the fill stays cheap (2.5e6 / stages^2: 250 at 100 stages)."""
     selection: str = "auto"
     """'exact': least-recompute plan of the table whose simulated peak fits (simulates
     candidates in recompute order); 'tighten': the table's plan for the budget, its
-    internal budget tightened by the simulated excess until it fits; 'auto': exact
-    for graphs up to 300 nodes."""
+    internal budget tightened by the simulated excess until it fits, then raised while
+    the simulated peak still fits and the recompute time falls; 'auto': exact for graphs
+    up to 300 nodes."""
     max_retries: int = 12
-    """Bound on tightening rounds."""
+    """Bound on tightening rounds, and on the probes above a plan that fits."""
 
 
 @dataclass(frozen=True)
@@ -178,33 +93,7 @@ class _Chain:
     fixed: int  # bytes resident all step
     out: int  # output bytes, resident from the end of the forward
     fw_out: int  # output bytes produced before the last stage (forward only)
-
-
-def _stage_bounds(problem: Problem, max_stages: int) -> list[tuple[int, int]]:
-    """Single nodes when they are few, else about max_stages equal-time stages cut at cheap cuts."""
-    n = problem.n
-    if n <= max_stages:
-        return [(i, i) for i in range(n)]
-    cut = problem.cut_bytes()
-    k, bounds = max_stages, []
-    for _ in range(8):
-        bounds, pos = [], 0
-        for s, e in equal_cost_segments(problem, max(1, k), cut):
-            if s > pos:
-                bounds.append((pos, s - 1))  # a run of non-recomputable nodes
-            bounds.append((s, e))
-            pos = e + 1
-        if pos < n:
-            bounds.append((pos, n - 1))
-        if len(bounds) <= max_stages or k <= 1:
-            break
-        k = max(1, k * max_stages // len(bounds) - 1)
-    times = [sum(problem.nodes[i].time for i in range(u, v + 1)) for u, v in bounds]
-    while len(bounds) > max_stages:  # runs of non-recomputable nodes: merge the cheapest neighbours
-        j = min(range(len(bounds) - 1), key=lambda j: times[j] + times[j + 1])
-        bounds[j : j + 2] = [(bounds[j][0], bounds[j + 1][1])]
-        times[j : j + 2] = [times[j] + times[j + 1]]
-    return bounds
+    shared: tuple[int, ...]  # bytes made at or before the stage and saved by several stages far on, live here
 
 
 def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
@@ -219,6 +108,7 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
     self_save, next_save = [False] * L, [False] * L
     cut = problem.cut_bytes()
     out = fw_out = 0
+    shared_from, uncut = [0] * (L + 1), [0] * (L + 1)
     transient_by_node: list[list[tuple[int, int]]] = [[] for _ in nodes]
     for st in storages:
         g = stage_of[st.producer]
@@ -232,6 +122,15 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
             continue
         savers = [stage_of[k] for k in st.saved_by]
         if st.last_use > v or any(s > g for s in savers):
+            later = {s for s in savers if s > g + 1}
+            if len(later) >= 2 and max(later) - g >= max(2, L // 8):
+                # Saved by several stages far on (an attention mask, rotary tables saved by every layer):
+                # live from here to the backward of its first saver whatever the plan, so counted once at
+                # every later stage rather than in the input of every region that reads it.
+                shared_from[g] += st.nbytes
+                uncut[g] += st.nbytes  # not in the cuts after stages g .. last_use's stage - 1
+                uncut[max(g, stage_of[st.last_use])] -= st.nbytes
+                continue
             if any(s == g or s > g + 1 for s in savers) or stage_of[st.last_use] > g + 1:
                 self_save[g] = True
             if any(s == g + 1 for s in savers):
@@ -240,9 +139,18 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
             y[g] += st.nbytes
         else:
             transient_by_node[st.producer].append((st.last_use, st.nbytes))
-    for g, (_u, v) in enumerate(bounds):
+    outputs_by = [0] * (problem.n + 1)  # output bytes each node makes
+    for st in storages:
+        if st.is_output:
+            outputs_by[st.producer] += st.nbytes
+    shared, acc, acc_shared, acc_out = [0] * L, 0, 0, 0
+    for g, (u, v) in enumerate(bounds):
+        acc += uncut[g]
+        acc_shared += shared_from[g]
+        acc_out += sum(outputs_by[u : v + 1])
+        shared[g] = acc_shared
         if g < L - 1:
-            x[g] = cut[v] - sum(st.nbytes for st in storages if st.is_output and st.producer <= v)
+            x[g] = cut[v] - acc_out - acc
     tmp = []
     for u, v in bounds:
         live, peak, frees = 0, 0, {}
@@ -267,6 +175,7 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
         fixed=problem.fixed_bytes,
         out=out,
         fw_out=fw_out,
+        shared=tuple(shared),
     )
 
 
@@ -274,6 +183,7 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
 # The table.
 
 _OWN = -1
+_CHILD = -3
 
 
 class DPPlanner:
@@ -287,9 +197,10 @@ class DPPlanner:
         self._np = np
         self.problem = problem
         self.config = config or DPConfig()
-        self.chain = _build_chain(problem, _stage_bounds(problem, self.config.max_stages))
+        self.chain = _build_chain(problem, _dp_stage_bounds(problem, self.config.max_stages))
         self._sim_cache: dict[tuple, Any] = {}
         self._time_cache: dict[tuple, float] = {}
+        self._baseline = self.simulate(())
         self._units()
         if len(self.chain.bounds):
             self._fill()
@@ -297,22 +208,28 @@ class DPPlanner:
     # Units: exact when every size is a multiple of a unit giving few slots.
     def _units(self) -> None:
         c = self.chain
-        sizes = [*c.x, *c.y, *c.tmp, *c.grad_at, *c.grad_before, c.out, c.fw_out]
-        top = max(1, self._no_ckpt_need())  # bytes: more headroom than this changes nothing
+        sizes = [*c.x, *c.y, *c.tmp, *c.grad_at, *c.grad_before, *c.shared, c.out, c.fw_out]
+        # bytes: more headroom than this changes nothing. The chain's own estimate counts a storage at every
+        # cut it crosses (an attention mask read by every layer: once per stage), so it can be several times
+        # the real need, and slots that coarse round a layer's hidden state to nothing. Budgets at or above
+        # the simulated no-checkpoint peak never reach the table; half of it again is left for plans that the
+        # chain overestimates.
+        top = max(1, min(self._no_ckpt_need(), 3 * (self._baseline.peak_bytes - c.fixed) // 2))
+        stages2 = max(1, len(c.x) ** 2)  # the fill is O(stages^3 x slots)
         g = reduce(math.gcd, [s for s in sizes if s], 0) or 1
-        if top // g <= max(self.config.slots, 4_000_000 // max(1, len(c.x) ** 2)):
+        if top // g <= max(self.config.slots, 4_000_000 // stages2):
             self.unit, self.exact_units = g, True
-        else:
-            self.unit, self.exact_units = -(-top // self.config.slots), False
+        else:  # rounded sizes: at most 512 slots, as `exact` selection simulates a candidate per slot
+            self.unit, self.exact_units = -(-top // max(self.config.slots, min(2_500_000 // stages2, 512))), False
         self.S = -(-top // self.unit) + 1  # slots: headroom 0..S-1 units
         u = self._u
         self._x = [u(v) for v in c.x]
         self._y = [u(v) for v in c.y]
-        self._tmp = [u(v) for v in c.tmp]
+        self._tmp = [u(v) + u(s) for v, s in zip(c.tmp, c.shared)]  # shared bytes: live in every pass
         self._kept_y = [
             self._y[g] + (self._x[g] if c.self_save[g] and g != len(c.x) - 1 else 0) for g in range(len(c.x))
         ]
-        self._bw_extra = [u(c.out) + u(v) for v in c.grad_at]
+        self._bw_extra = [u(c.out) + u(v) + u(s) for v, s in zip(c.grad_at, c.shared)]
         self._pass_extra = [u(c.out) + u(v) for v in c.grad_before]
         if c.x:
             self._pass_extra[-1] = u(c.fw_out)  # only the top context ends at the last stage: its pass is the forward
@@ -320,6 +237,7 @@ class DPPlanner:
     def _no_ckpt_need(self) -> int:
         c = self.chain
         total = sum(c.x) + sum(c.y) + max(c.tmp, default=0) + max(c.grad_at, default=0) + c.out + c.fw_out
+        total += max(c.shared, default=0)
         return total + max(c.x, default=0)
 
     def _u(self, nbytes: int) -> int:
@@ -337,6 +255,8 @@ class DPPlanner:
         stage of the child region that starts at i).
         """
         np, c, S = self._np, self.chain, self.S
+        from numpy.lib.stride_tricks import as_strided
+
         L = len(c.bounds)
         x = np.array(self._x, dtype=np.int64)
         x_prev = np.concatenate([[0], x[:-1]])
@@ -346,6 +266,7 @@ class DPPlanner:
         self_save = np.array(c.self_save, dtype=bool)
         next_prev = np.concatenate([[False], np.array(c.next_save[:-1], dtype=bool)])  # a_{i-1} saved by stage i
         prefix = np.concatenate([[0.0], np.cumsum(c.time)])
+        self._prefix = prefix
         rec_end = [-1] * L  # last stage of the recomputable run from i (-1: i is not recomputable)
         for i in range(L - 1, -1, -1):
             if c.recomputable[i]:
@@ -361,12 +282,20 @@ class DPPlanner:
         m = np.arange(S)
         SK, SN = np.full((L, L, S), INF, dtype=np.float32), np.full((L, L, S), INF, dtype=np.float32)
         CT = np.full((L, L, S), INF, dtype=np.float32)  # T(i..d) + SK[i, d]: a child region's whole cost
-        AK, AN = np.full((L, L, S), -2, dtype=np.int16), np.full((L, L, S), -2, dtype=np.int16)
+        # The choice: _OWN, _CHILD (its last stage is found again by `_child_end` when a plan is read out)
+        # or -2 (nothing fits). Keeping only the least value of the child choices in the fill, not where
+        # it is, halves the fill's time: an argmin across the middle axis is ten times slower than a min.
+        AK, AN = np.full((L, L, S), -2, dtype=np.int8), np.full((L, L, S), -2, dtype=np.int8)
+
+        def diag(arr, i0, ell):
+            """View of arr[i0 + p, p + ell] for p < L - ell: the entries of one suffix length, shape [P, S]."""
+            t0, t1, t2 = arr.strides
+            return as_strided(arr[i0:, ell:], shape=(L - ell, S), strides=(t0 + t1, t2))
 
         def gather(arr, idx, fill):
-            """out[p, m] = arr[p, idx[p, m]], fill where idx < 0."""
-            out = np.take_along_axis(arr, np.clip(idx, 0, S - 1), axis=1)
-            return np.where(idx >= 0, out, fill)
+            """out[p, m] = arr[p, idx[p, m]], fill where idx < 0 (arr is C-contiguous, shape [P, S])."""
+            flat = np.arange(arr.shape[0])[:, None] * S + np.clip(idx, 0, S - 1)
+            return np.where(idx >= 0, arr.reshape(-1)[flat], fill)
 
         for ell in range(L):
             rows = np.arange(0, L - ell)
@@ -383,12 +312,12 @@ class DPPlanner:
                 if ell == 0:
                     val = np.where(ok, np.float32(0), INF)
                 else:
-                    nxt = np.where(self_save[rows][:, None], SK[rows + 1, R], SN[rows + 1, R])
+                    nxt = np.where(self_save[rows][:, None], diag(SK, 1, ell), diag(SN, 1, ell))
                     val = np.where(ok, gather(nxt, m2, INF), INF)
                 if f == 1:
                     val[first] = INF
-                tab[rows, R] = val
-                atab[rows, R] = np.where(np.isfinite(val), _OWN, -2)
+                diag(tab, 0, ell)[...] = val
+                diag(atab, 0, ell)[...] = np.where(np.isfinite(val), _OWN, -2)
             if ell:
                 # A child region i..d (d < r), then the rest of the context from d + 1.
                 k = np.arange(ell)
@@ -396,22 +325,24 @@ class DPPlanner:
                 need = pass_extra[R][:, None] + PT[rows[:, None], D]
                 need[D > rec_end[rows][:, None]] = S  # not recomputable: never
                 if (need < S).any():
-                    vals = CT[rows[:, None], D]
-                    vals += SN[D + 1, R[:, None]]
-                    np.putmask(vals, m[None, None, :] < need[:, :, None], INF)
-                    bd = np.argmin(vals, axis=1)
-                    best = np.take_along_axis(vals, bd[:, None, :], axis=1)[:, 0, :]
-                    bd = np.where(np.isfinite(best), rows[:, None] + bd, -2).astype(np.int16)
+                    # vals[i, k] = CT[i, i + k] + SN[i + k + 1, i + ell]: strided views, no gathers.
+                    s0, s1, s2 = CT.strides
+                    ct = as_strided(CT, shape=(L - ell, ell, S), strides=(s0 + s1, s1, s2))
+                    sn = as_strided(SN[1:, ell:], shape=(L - ell, ell, S), strides=(s0 + s1, s0, s2))
+                    fits = m[None, None, :] >= need[:, :, None]  # the child's forward fits in the pass
+                    best = np.min(ct + sn, axis=1, where=fits, initial=INF)
                     for f, tab, atab in ((0, SK, AK), (1, SN, AN)):
                         idx = m[None, :] - (x_prev[rows] * f)[:, None]
-                        cand, arg = gather(best, idx, INF), gather(bd, idx, -2)
+                        cand = gather(best, idx, INF)
                         if f == 1:
                             cand[first] = INF
-                        cur = tab[rows, R]
+                        cur, arg = diag(tab, 0, ell), diag(atab, 0, ell)
                         better = cand < cur
-                        tab[rows, R] = np.where(better, cand, cur)
-                        atab[rows, R] = np.where(better, arg, atab[rows, R])
-            CT[rows, R] = SK[rows, R] + (prefix[R + 1] - prefix[rows]).astype(np.float32)[:, None]
+                        cur[better] = cand[better]
+                        arg[better] = _CHILD
+            diag(CT, 0, ell)[...] = diag(SK, 0, ell) + (prefix[R + 1] - prefix[rows]).astype(np.float32)[:, None]
+        self._need = (PT, rec_end, pass_extra)
+        self._child_cache: dict[tuple[int, int], Any] = {}
         self._tables = (SK, SN, AK, AN)
 
     # Plans.
@@ -436,12 +367,32 @@ class DPPlanner:
                 kept_a = x[i - 1] if (f == 1 and c.next_save[i - 1]) else 0
                 stack.append((i + 1, r, 0 if c.self_save[i] else 1, mm - kept_a - self._kept_y[i]))
             else:
-                d = arg
                 m1 = mm - (x[i - 1] if f == 1 else 0)
+                d = self._child_end(i, r, m1)
                 regions.append((c.bounds[i][0], c.bounds[d][1]))
                 stack.append((i, d, 0, m1))
                 stack.append((d + 1, r, 1, m1))
         return tuple(sorted(set(regions), key=lambda se: (se[0], -se[1])))
+
+    def _child_end(self, i: int, r: int, m1: int) -> int:
+        """Last stage of the best child region starting at i in a context ending at r, with m1 units free.
+
+        The same minimum as the fill's (ties to the shortest region), for every headroom of (i, r) at once.
+        """
+        key = (i, r)
+        if key not in self._child_cache:
+            np = self._np
+            SK, SN = self._tables[0], self._tables[1]
+            PT, rec_end, pass_extra = self._need
+            prefix = self._prefix
+            D = np.arange(i, r)
+            vals = SK[i, D] + (prefix[D + 1] - prefix[i]).astype(np.float32)[:, None]
+            vals += SN[D + 1, r]
+            need = pass_extra[r] + PT[i, D]
+            need[D > rec_end[i]] = self.S
+            np.putmask(vals, np.arange(self.S)[None, :] < need[:, None], np.float32(np.inf))
+            self._child_cache[key] = i + vals.argmin(axis=0)
+        return int(self._child_cache[key][m1])
 
     def headroom(self, budget_bytes: int) -> int:
         """Table index of a budget: whole units of headroom above the fixed bytes."""
@@ -487,12 +438,14 @@ class DPPlanner:
             return SolverResult(regions=(), stats=stats)
         if budget_bytes is None:
             return SolverResult(regions=(), stats=stats)
+        if self._baseline.peak_bytes <= budget_bytes:  # no checkpointing fits: nothing is faster
+            return SolverResult(regions=(), stats={**stats, "min_peak_bytes": self._baseline.peak_bytes})
         selection = cfg.selection
         if selection == "auto":
             selection = "exact" if n <= 300 else "tighten"
         stats["selection"] = selection
         if selection == "exact":
-            cands = sorted(self.candidates(), key=lambda r: (self.time_of(r), len(r)))
+            cands = sorted({(), *self.candidates()}, key=lambda r: (self.time_of(r), len(r), r))
             best_peak = None
             for regions in cands:
                 peak = self.simulate(regions).peak_bytes
@@ -510,20 +463,60 @@ class DPPlanner:
             peak = self.simulate(regions).peak_bytes
             tried.append((peak, regions))
             if peak <= budget_bytes:
-                return SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+                regions, peak, probes = self._loosen(h, regions, peak, budget_bytes)
+                stats = {**stats, "retries": attempt, "loosened": probes, "min_peak_bytes": peak}
+                return SolverResult(regions=regions, stats=stats)
             h -= max(1, -(-(peak - budget_bytes) // self.unit))
-        floor = self._regions(self._lowest_headroom())
-        if floor is not None:
+        for floor in self._floor_plans():
             tried.append((self.simulate(floor).peak_bytes, floor))
-        if not tried:
-            return SolverResult(regions=(), stats={**stats, "min_peak_bytes": simulate(self.problem, ()).peak_bytes})
-        peak, regions = min(tried)
+        tried.append((self._baseline.peak_bytes, ()))
+        peak, regions = min(tried, key=lambda t: (t[0], len(t[1]), t[1]))
         return SolverResult(regions=regions, stats={**stats, "retries": len(tried), "min_peak_bytes": peak})
 
-    def _lowest_headroom(self) -> int:
+    def _loosen(self, h: int, regions, peak: int, budget_bytes: int) -> tuple[tuple, int, int]:
+        """Probe headrooms above h while the simulated peak leaves room: the chain overestimates some DAGs.
+
+        Doubling steps from the simulated slack, then bisection; a plan is taken only when it fits and
+        recomputes less. Returns (regions, peak, probes). On chains the model is exact, so the plan at h
+        stays (a larger headroom's plan fits only when it is the same plan or as fast).
+        """
+        best = (self.time_of(regions), peak, regions)
+        fit, fail, probes = h, self.S, 0
+        step = max(1, (budget_bytes - peak) // self.unit)
+        while probes < self.config.max_retries and fail - fit > 1:
+            nxt = min(fit + step, self.S - 1) if fail == self.S else (fit + fail) // 2
+            if nxt <= fit:
+                break
+            probes += 1
+            cand = self._regions(nxt)
+            if cand is None:
+                break
+            cand_peak = self.simulate(cand).peak_bytes
+            if cand_peak <= budget_bytes:
+                fit, step = nxt, step * 2
+                best = min(best, (self.time_of(cand), cand_peak, cand))
+            else:
+                fail = nxt
+        return best[2], best[1], probes
+
+    def _floor_plans(self, count: int = 8) -> list[tuple[tuple[int, int], ...]]:
+        """The table's distinct plans at its lowest headrooms: the least memory the table can reach.
+
+        On graphs where the chain is an approximation the lowest-headroom plan need not simulate lowest,
+        so a few are tried.
+        """
+        if not len(self.chain.bounds):
+            return []
         vals = self._tables[0][0, len(self.chain.bounds) - 1]
-        finite = [h for h in range(self.S) if math.isfinite(vals[h])]
-        return finite[0] if finite else -1
+        out: list[tuple[tuple[int, int], ...]] = []
+        for h in range(self.S):
+            if len(out) >= count:
+                break
+            if math.isfinite(vals[h]) and not (h and vals[h] == vals[h - 1]):
+                regions = self._regions(h)
+                if regions is not None and regions not in out:
+                    out.append(regions)
+        return out
 
 
 @register("dp")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .dp import recompute_time, trim_flat_regions
+from .costs import recompute_time, trim_flat_regions
 from .problem import Problem
 from .registry import SolverResult, register
 from .simulate import simulate

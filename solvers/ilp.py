@@ -26,7 +26,8 @@ optimum that way). A storage's release indicator is bounded below by the
 *sum* of the keep arc and the region-start arc at a step (they are exclusive
 arcs of the path), which closes most of the relaxation's gap. Each answer is
 checked: objective against `recompute_time` of the plan read back, proven
-bound against the warm start; HiGHS is re-run without presolve if either fails.
+bound against the warm start. HiGHS runs without presolve: its presolve returned
+wrong optima on this model even when well scaled.
 Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
 every plan is checked with `simulate` on the original problem and the
 budget tightened by the excess when it does not fit.
@@ -41,11 +42,12 @@ import time
 import warnings
 from typing import Any
 
-from .dp import _stage_bounds, grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
+from .costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
 from .greedy import GreedyPlanner
 from .problem import Node, Problem, Storage
 from .registry import SolverResult, register
 from .simulate import simulate
+from .stages import _stage_bounds
 
 __all__ = ["ilp", "coarsen", "ILPBackendError"]
 
@@ -392,14 +394,16 @@ def _best_bound(name: str, prob, log_path: str, objective: float) -> float | Non
 def _checked_solve(
     problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool
 ) -> tuple[tuple[tuple[int, int], ...] | None, dict[str, Any]]:
-    """Solve the MILP and check its claims against the cost model; re-solve without presolve when they fail.
+    """Solve the MILP and check its claims against the cost model; a failed check is reported in the stats.
 
     Checks: the objective equals the recompute time of the plan read back (when `exact`, i.e. not
     coarsened), and no known plan (the warm start) beats the lower bound the solver proved.
     """
     stats: dict[str, Any] = {}
     regions = None
-    for presolve in (True, False):
+    # HiGHS presolve (1.15) returns wrong optima on this model even when it is well scaled
+    # (a 7-node DAG: 10.75 s "optimal" against 6.75 s): it stays off.
+    for presolve in (False,):
         regions, stats = _solve_milp(problem, budget, backend, time_limit, gap, start, presolve)
         if regions is None:
             return None, stats

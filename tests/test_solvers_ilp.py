@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from solvers import Problem, simulate, solve
 from solvers.bruteforce import bruteforce
-from solvers.dp import recompute_time, trim_flat_regions
+from solvers.costs import recompute_time, trim_flat_regions
 from solvers.ilp import _best_bound
 
 from .test_solvers_problems import dags
@@ -51,7 +51,9 @@ def scaled(problem: Problem, factor: int) -> Problem:
         problem,
         nodes=tuple(
             dataclasses.replace(
-                nd, temp_bytes=nd.temp_bytes * factor, grad_bytes=nd.grad_bytes * factor,
+                nd,
+                temp_bytes=nd.temp_bytes * factor,
+                grad_bytes=nd.grad_bytes * factor,
                 param_grad_bytes=nd.param_grad_bytes * factor,
             )
             for nd in problem.nodes
@@ -66,11 +68,16 @@ def scaled(problem: Problem, factor: int) -> Problem:
 def check_against_bruteforce(problem: Problem, budget: int, backend: str) -> None:
     best = bruteforce(problem, budget, space="flat_saver_ended")
     best_sim = simulate(problem, best.regions)
-    result = solve(problem, budget, solver="ilp", backend=backend, max_nodes=64) if best_sim.peak_bytes <= budget else None
+    result = (
+        solve(problem, budget, solver="ilp", backend=backend, max_nodes=64) if best_sim.peak_bytes <= budget else None
+    )
     if result is None:
         return
     total = problem.total_time
-    assert close(result.recompute_time, best_sim.recompute_time, total), (result.recompute_time, best_sim.recompute_time)
+    assert close(result.recompute_time, best_sim.recompute_time, total), (
+        result.recompute_time,
+        best_sim.recompute_time,
+    )
     if result.recompute_time > 0:
         assert result.stats["exact"] and result.stats["optimal"], result.stats
         assert result.stats["gap"] <= 1e-6

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from solvers import Node, Problem, Storage, simulate
 from solvers.bruteforce import enumerate_plans
-from solvers.dp import grad_bytes_by_step, recompute_time, trim_flat_regions
+from solvers.costs import grad_bytes_by_step, recompute_time, trim_flat_regions
 
 
 def random_chain(rng: random.Random, n: int, scale: int = 1) -> Problem:
@@ -95,7 +95,11 @@ def random_dag(rng: random.Random, n: int) -> Problem:
             )
         )
     return Problem(
-        nodes=tuple(nodes), storages=tuple(storages), param_bytes=rng.randint(0, 30), input_bytes=rng.randint(0, 5), name="dag"
+        nodes=tuple(nodes),
+        storages=tuple(storages),
+        param_bytes=rng.randint(0, 30),
+        input_bytes=rng.randint(0, 5),
+        name="dag",
     )
 
 
@@ -109,7 +113,9 @@ def chains(min_n: int = 1, max_n: int = 7):
 
 
 def dags(min_n: int = 1, max_n: int = 12):
-    return st.builds(lambda seed, n: random_dag(random.Random(seed), n), st.integers(0, 2**32), st.integers(min_n, max_n))
+    return st.builds(
+        lambda seed, n: random_dag(random.Random(seed), n), st.integers(0, 2**32), st.integers(min_n, max_n)
+    )
 
 
 def random_plan(rng: random.Random, problem: Problem, space: str) -> tuple:
@@ -137,7 +143,10 @@ def test_trimming_flat_regions_never_hurts(problem, seed):
 def test_gradient_bytes_are_plan_independent(problem):
     at, before = grad_bytes_by_step(problem)
     assert len(at) == len(before) == problem.n
-    assert all(b <= a + problem.nodes[k].param_grad_bytes + sum(problem.nodes[j].grad_bytes for j in problem.nodes[k].inputs) for k, (a, b) in enumerate(zip(at, before)))
+    assert all(
+        b <= a + problem.nodes[k].param_grad_bytes + sum(problem.nodes[j].grad_bytes for j in problem.nodes[k].inputs)
+        for k, (a, b) in enumerate(zip(at, before))
+    )
 
 
 def test_generators_make_valid_problems():
