@@ -42,6 +42,7 @@ import time
 import warnings
 from typing import Any
 
+from .basic import uniform
 from .costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
 from .greedy import GreedyPlanner
 from .problem import Node, Problem, Storage
@@ -98,6 +99,7 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
                 time=sum(nodes[i].time for i in members),
                 temp_bytes=max(nodes[i].temp_bytes for i in members),
                 grad_bytes=out_grads,
+                backward_temp_bytes=max(nodes[i].backward_temp_bytes for i in members),
                 param_grad_bytes=sum(nodes[i].param_grad_bytes for i in members),
                 inputs=tuple(inputs),
                 reads=tuple(sorted(reads[g])),
@@ -364,6 +366,42 @@ def _solve_milp(
     return regions, stats
 
 
+_LOWEST_PLANS: dict[tuple[str, tuple[bool, ...]], tuple[tuple[int, int], ...]] = {}
+"""Least-peak coarse plans found so far, by the problem's structure and which nodes may be recomputed;
+a few dozen at most."""
+
+
+def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, gap: float):
+    """(peak, regions) of the least-peak plan known for `coarse`: the MILP's or a remembered one."""
+    key = (coarse.fingerprint(), tuple(node.recomputable for node in coarse.nodes))
+    found, _ = _solve_milp(coarse, None, backend, time_limit, gap)
+    candidates = [r for r in (found, _LOWEST_PLANS.get(key)) if r is not None]
+    if not candidates:
+        return None, None
+    peak, regions = min((simulate(coarse, r).peak_bytes, r) for r in candidates)
+    if len(_LOWEST_PLANS) >= 64:
+        _LOWEST_PLANS.pop(next(iter(_LOWEST_PLANS)))
+    _LOWEST_PLANS[key] = regions
+    return peak, regions
+
+
+def _warm_start(coarse: Problem, target: int) -> tuple[tuple[int, int], ...] | None:
+    """The least-recompute flat plan of greedy and uniform that fits `target` on the coarse graph."""
+    best = None
+    greedy_plan = GreedyPlanner(coarse).plan(target)
+    candidates = []
+    if greedy_plan.stats.get("min_peak_bytes", target + 1) <= target:
+        candidates.append(greedy_plan.regions)
+    candidates.append(uniform(coarse, target).regions)
+    for regions in candidates:
+        regions = trim_flat_regions(coarse, regions)
+        if simulate(coarse, regions).peak_bytes <= target:
+            cost = recompute_time(coarse, regions)
+            if best is None or cost < best[0]:
+                best = (cost, regions)
+    return None if best is None else best[1]
+
+
 def _best_bound(name: str, prob, log_path: str, objective: float) -> float | None:
     """The solver's proven lower bound on the objective, where it tells."""
     if name == "highs":
@@ -463,12 +501,18 @@ def ilp(
         return None if time_limit is None else max(0.5, time_limit - (time.perf_counter() - t0))
 
     target, best_low = budget_bytes, None
+    lowest = None  # the coarse plan of least peak, from the peak-minimizing MILP (solved once, when needed)
     for attempt in range(max_retries + 1):
         start = None
         if warm_start:
-            heuristic = GreedyPlanner(coarse).plan(target)
-            if heuristic.stats.get("min_peak_bytes", target + 1) <= target:
-                start = trim_flat_regions(coarse, heuristic.regions)
+            start = _warm_start(coarse, target)
+            if start is None and lowest is None:
+                # No heuristic fits: the least-peak plan is the start. With it (and the one remembered
+                # from earlier calls), a budget the solver named as its smallest is met again on the
+                # next call, however far a time-limited MILP gets.
+                lowest = _lowest_peak_plan(coarse, backend, left(), gap)
+            if start is None and lowest[1] is not None and lowest[0] <= target:
+                start = lowest[1]
         regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact)
         stats.update(info)
         if start is not None:
@@ -484,7 +528,7 @@ def ilp(
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
         target -= peak - budget_bytes
     # Nothing fits: the lowest peak the model reaches.
-    low, info = _solve_milp(coarse, None, backend, left(), gap)
+    low = lowest[1] if lowest is not None else _solve_milp(coarse, None, backend, left(), gap)[0]
     if low is not None:
         low = lift(low)
         peak = simulate(problem, low).peak_bytes
