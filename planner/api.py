@@ -90,7 +90,8 @@ def optimize(
     gradients and optimizer state replicated (ddp) or divided by world_size (fsdp);
     example_inputs are one rank's batch (see planner/distributed.py).
     safety_margin (default 0.02) reserves that fraction of the budget's
-    activation part for what the simulator does not see. The model is left
+    activation part for what the simulator does not see (the allocator's
+    rounding on a GPU, kernels that pick other workspaces at other sizes). The model is left
     as it was found.
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
@@ -235,7 +236,7 @@ def _solve(
 def _solve_with_margin(problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float) -> Solution:
     """Solve for the budget less a reserve of `margin` x its activation part.
 
-    The reserve covers what the simulator does not see (small backward temporaries),
+    The reserve covers what the simulator does not see (allocator rounding, workspaces),
     so that the measured peak stays within the budget the user gave.
     """
     if budget is None:

@@ -40,6 +40,8 @@ class NodeCost:
     is_output: bool = False
     param_grad_bytes: int = 0
     """Bytes of parameter gradients made first by this node's backward."""
+    backward_temp_bytes: int = 0
+    """Bytes the node's backward step holds beyond the modelled gradients (measured)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class CostGraph:
                 temp_bytes=n.temp_bytes,
                 grad_bytes=n.grad_bytes,
                 param_grad_bytes=n.param_grad_bytes,
+                backward_temp_bytes=n.backward_temp_bytes,
                 inputs=n.inputs,
                 reads=n.reads,
                 is_output=n.is_output,

@@ -7,6 +7,23 @@ StorageImpl, so a saved tensor is attributed to the node that allocated its
 storage (Linear saves its input: that is the producer's memory) and counted
 once. Parameters, buffers and graph inputs are not activations.
 
+Gradients follow autograd: every node whose output requires grad has a
+gradient of its output's size (in-place ops and views included), made by the
+backward of its consumers. A reshaping view (view, transpose, permute...)
+hands its gradient on to its base as a view, so its gradient *is* the
+base's: the view gets none, and its consumers list the base among their
+inputs, which makes the base's gradient live from the first of those
+backward steps (attention's backward making the head views' gradients).
+
+What the model of gradients cannot see is measured: after the forward, one
+backward runs with a live-storage counter and a pre-hook on every autograd
+node, attributed to the fx node whose forward made it. A node's
+`backward_temp_bytes` is the peak its backward step reached over the
+simulator's figure for that step without checkpointing: pow's and
+log-softmax's gradient temporaries, gradient sums, a gradient kept alive by
+the narrow views cat's backward hands out. Gradients do not depend on the
+plan, so the excess is the same under every plan.
+
 In meta mode the same interpreter runs on fake tensors: byte figures are
 exact, time comes from FLOPs and bytes moved (a roofline), nothing is run.
 Tensors on the meta device (a model built under `torch.device("meta")`)
@@ -98,11 +115,25 @@ class CostProfiler(fx.Interpreter):
         self.sync = None
         self.meta_to_cpu = False
         """Fake runs of a graph captured on the meta device: its `device=meta` constants mean cpu."""
+        self.grad_fns: dict[Any, str] = {}
+        """Autograd node -> name of the fx node whose forward made it (recording runs)."""
+        self.step_output: Any = None
+        """The graph's output of the recording run, for the backward that follows it."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.meta_to_cpu:
             args, kwargs = _meta_to_cpu(args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
+        """Attribute the autograd nodes this node's forward made (reachable, not yet owned) to it."""
+        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self.grad_fns[fn] = n.name
+            stack.extend(f for f, _ in fn.next_functions)
 
     def run_node(self, n: fx.Node) -> Any:
         if not self.record:
@@ -130,6 +161,7 @@ class CostProfiler(fx.Interpreter):
         except Exception as e:
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
+        self._own_grad_fns(n, out)
         self.mem.track(out)
         self.events[n.name] = (packed, self.mem.peak - before, self.mem.current - before, flops)
         return out
@@ -140,8 +172,10 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     config = config or ProfileConfig()
     gm = cap.graph_module
     flat = flatten_for_graph(gm, cap.args, cap.kwargs)
-    meta = config.meta or any(t.device.type == "meta" for t in _tensors(flat)) or any(
-        p.device.type == "meta" for p in gm.parameters()
+    meta = (
+        config.meta
+        or any(t.device.type == "meta" for t in _tensors(flat))
+        or any(p.device.type == "meta" for p in gm.parameters())
     )
     dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
     with rng_preserved():
@@ -177,8 +211,85 @@ def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, f
             if prof.flops is not None:
                 stack.enter_context(prof.flops)
         stack.enter_context(prof.mem)
-        prof.run(*flat, enable_io_processing=False)
+        prof.step_output = prof.run(*flat, enable_io_processing=False)
     return prof
+
+
+def _measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> dict[str, int]:
+    """Run the step's backward once; per fx node, the peak bytes live during its backward step.
+
+    Call after `_build`: the interpreter's references to the activations are dropped first, so
+    what is live is what a training step holds (state, inputs, outputs, saved activations until
+    autograd releases them, gradients, the backward's temporaries). A node's step runs from the
+    start of the first of its autograd nodes to the start of another node's. Parameters' `.grad`
+    are left as they were.
+    """
+    import contextlib
+    import gc
+
+    from .verify import default_loss
+
+    out, prof.step_output = prof.step_output, None
+    peaks: dict[str, int] = {}
+    try:
+        loss = default_loss(gm.graph.process_outputs(out))
+    except (ValueError, TypeError, AttributeError):
+        prof.grad_fns.clear()
+        return peaks  # nothing to differentiate: no backward to measure
+    mem = LiveMemory()
+    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [e[0] for e in prof.events.values()])
+    mem.track(out, loss)
+    prof.env, prof.events = {}, {}
+    gc.collect()  # activations nothing saved are gone, as in a real step
+    current: list[str | None] = [None]
+
+    def enter(name: str) -> None:
+        if current[0] is not None:
+            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
+        current[0] = name
+        mem.reset_peak()
+
+    handles = [fn.register_prehook(lambda _grads, name=name: enter(name)) for fn, name in prof.grad_fns.items()]
+    params = [p for p in gm.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem:
+            loss.backward()
+        if current[0] is not None:
+            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, grads):
+            p.grad = g
+        prof.grad_fns.clear()
+    return peaks
+
+
+def _backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
+    """The cost graph with each node's backward_temp_bytes: what its measured backward step holds
+    beyond the simulator's figure for that step without checkpointing (never below 0).
+
+    Gradients do not depend on the plan, so the excess (temporaries, gradient sums, a gradient
+    kept alive by views of it) is the same under any plan.
+    """
+    if not peaks:
+        return cost
+    import dataclasses
+
+    from solvers.simulate import simulate
+
+    sim = [0] * len(cost.nodes)
+    for phase, k, total in simulate(cost.to_problem(), (), timeline=True).timeline:
+        if phase == "backward":
+            sim[k] = max(sim[k], total)
+    nodes = tuple(
+        dataclasses.replace(n, backward_temp_bytes=max(0, peaks[n.name] - sim[i])) if n.name in peaks else n
+        for i, n in enumerate(cost.nodes)
+    )
+    return dataclasses.replace(cost, nodes=nodes)
 
 
 def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
@@ -193,7 +304,8 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         timer.env = {}
     prof = _run_recording(gm, flat, config)
     times = {name: statistics.median(ts) for name, ts in timer.times.items()}
-    return _build(gm, flat, prof, times, method="measured", device=str(dev))
+    cost = _build(gm, flat, prof, times, method="measured", device=str(dev))
+    return _backward_temps(cost, _measure_backward(gm, prof))
 
 
 def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
@@ -212,6 +324,7 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     try:
         prof = _run_recording(gm, flat_fake, config, fake_mode)
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
+        built = _backward_temps(built, _measure_backward(gm, prof, fake_mode))
     finally:
         _swap_state(gm, real_state)
     return built
@@ -355,6 +468,7 @@ def _build(
     storages: list[dict[str, Any]] = []
     nodes: list[dict[str, Any]] = []
     param_reader: dict[int, int] = {}
+    grad_of: dict[str, int] = {}  # node name -> node whose output gradient its own gradient is (views)
     for i, n in enumerate(compute):
         value = env[n]
         packed, peak_extra, kept_extra, flops = prof.events[n.name]
@@ -373,13 +487,18 @@ def _build(
                 if p.requires_grad:
                     param_reader[storage_key(p)] = i
         out_bytes, grad_bytes = 0, 0
-        writes = bool(mutated_inputs(gm, n))
+        base = _viewed_node(n, value, env, owner) if not mutated_inputs(gm, n) else None
+        if base is not None:
+            # A reshaping view (view, transpose, permute...): its backward hands the gradient on
+            # as a view, so its gradient is its base's, made by the view's consumers' backward.
+            grad_of[n.name] = grad_of.get(base.name, index[base.name])
         for t in _tensors(value):
             key = storage_key(t)
             if key in external or key in owner:
-                # An in-place op (relu_, add_) makes no storage, but its backward still makes a
-                # full new gradient for its input: count that gradient here.
-                if writes and key in owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                # No new storage: an in-place op (relu_, add_) or a view of an activation. The
+                # gradient of its output is still a new tensor of the output's size, made by the
+                # consumers' backward (a view's backward hands it on to its base as a view).
+                if base is None and key in owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
                     grad_bytes += t.numel() * t.element_size()
                 continue
             owner[key] = len(storages)
@@ -396,13 +515,21 @@ def _build(
             if key not in owner:  # made and kept inside the op (a dropout mask, softmax stats)
                 owner[key] = len(storages)
                 storages.append(
-                    {"producer": i, "nbytes": t.untyped_storage().nbytes(), "last_use": i, "saved_by": set(), "is_output": False}
+                    {
+                        "producer": i,
+                        "nbytes": t.untyped_storage().nbytes(),
+                        "last_use": i,
+                        "saved_by": set(),
+                        "is_output": False,
+                    }
                 )
             storages[owner[key]]["saved_by"].add(i)
         for s in reads:
             storages[s]["last_use"] = max(storages[s]["last_use"], i)
         temp = max(0, peak_extra - kept_extra)
-        fwd_time = times.get(n.name, 0.0) if times is not None else _roofline(flops, in_bytes + out_bytes, device, config)
+        fwd_time = (
+            times.get(n.name, 0.0) if times is not None else _roofline(flops, in_bytes + out_bytes, device, config)
+        )
         recomputable = not (
             (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
             or (_mutates_input(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
@@ -419,7 +546,12 @@ def _build(
                 "out_bytes": out_bytes,
                 "temp_bytes": temp,
                 "grad_bytes": grad_bytes,
-                "inputs": sorted({index[a.name] for a in n.all_input_nodes if a.name in index}),
+                # Data dependencies, plus the base of each reshaping view read: the gradient this
+                # node's backward makes for the view is the base's gradient.
+                "inputs": sorted(
+                    {index[a.name] for a in n.all_input_nodes if a.name in index}
+                    | {grad_of[a.name] for a in n.all_input_nodes if a.name in grad_of}
+                ),
                 "reads": sorted(reads),
                 "recomputable": recomputable,
                 "shapes": [list(t.shape) for t in _tensors(value)][:4],
@@ -454,7 +586,8 @@ def _build(
         for d in storages
     )
     param_bytes = sum(
-        t.untyped_storage().nbytes() for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
+        t.untyped_storage().nbytes()
+        for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
     )
     input_bytes = sum(t.untyped_storage().nbytes() for t in {storage_key(t): t for t in _tensors(flat)}.values())
     return CostGraph(
@@ -467,6 +600,23 @@ def _build(
     )
 
 
+def _viewed_node(n: fx.Node, value: Any, env: dict, owner: dict[int, int]) -> fx.Node | None:
+    """The input node whose activation `n` reshapes as a view (same storage, same numel), else None.
+
+    Views that select part of a tensor (slice, select, split) are not reshaping views: their
+    backward makes a new gradient of the whole base.
+    """
+    outs = _tensors(value)
+    if len(outs) != 1 or not outs[0].requires_grad or storage_key(outs[0]) not in owner:
+        return None
+    out = outs[0]
+    for a in n.all_input_nodes:
+        ins = _tensors(env.get(a))
+        if a.op not in ("placeholder", "get_attr") and len(ins) == 1 and storage_key(ins[0]) == storage_key(out):
+            return a if ins[0].numel() == out.numel() and ins[0].dtype == out.dtype else None
+    return None
+
+
 def _target_name(n: fx.Node) -> str:
     t = n.target
     if isinstance(t, str):
@@ -474,5 +624,7 @@ def _target_name(n: fx.Node) -> str:
     name = getattr(t, "__name__", None) or str(t)
     mod = getattr(t, "__module__", "") or ""
     if hasattr(t, "_schema"):
-        return str(t._schema.name) + ("." + t._overloadname if getattr(t, "_overloadname", "default") != "default" else "")
+        return str(t._schema.name) + (
+            "." + t._overloadname if getattr(t, "_overloadname", "default") != "default" else ""
+        )
     return f"{mod}.{name}" if mod and not mod.startswith("torch._ops") else name

@@ -24,7 +24,7 @@ def grad_bytes_by_step(problem: Problem) -> tuple[list[int], list[int]]:
     """Gradient bytes the simulator holds at each backward step; the plan does not change them.
 
     Returns (at, before): at[k] is live at the observation of node k's backward
-    (after its input gradients appear), before[k] is live when a recompute
+    (after its input gradients appear, with the step's backward temporaries), before[k] is live when a recompute
     triggered at step k runs (before step k adds anything). Parameter gradients
     included. # bytes
     """
@@ -49,7 +49,7 @@ def grad_bytes_by_step(problem: Problem) -> tuple[list[int], list[int]]:
     for k in range(n):
         acc_at += d_at[k]
         acc_before += d_before[k]
-        at[k] = acc_at + suffix[k]
+        at[k] = acc_at + suffix[k] + problem.nodes[k].backward_temp_bytes
         before[k] = acc_before + suffix[k + 1]
     return at, before
 

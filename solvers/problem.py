@@ -32,6 +32,10 @@ class Node:
     """Transient bytes the op allocates and frees while it runs (beyond its outputs)."""
     grad_bytes: int = 0
     """Bytes of the gradient of the node's output (0 when it needs none)."""
+    backward_temp_bytes: int = 0
+    """Transient bytes at the node's backward step beyond the gradients the model holds then
+    (the backward's own temporaries, gradient sums, a gradient kept alive by views of it).
+    Gradients do not depend on the plan, so neither does this."""
     param_grad_bytes: int = 0
     """Bytes of parameter gradients first materialised by this node's backward."""
     inputs: tuple[int, ...] = ()

@@ -192,7 +192,7 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
                 extra += nodes[j].grad_bytes
         live["act_grads"] += extra
         live["param_grads"] += node.param_grad_bytes
-        observe("backward", k)
+        observe("backward", k, {"temporaries": node.backward_temp_bytes} if node.backward_temp_bytes else None)
         if grad_live[k]:
             live["act_grads"] -= node.grad_bytes
             grad_live[k] = False

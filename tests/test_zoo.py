@@ -23,22 +23,6 @@ FRACTIONS = (0.5, 0.25)
 SLOW = {"gpt2", "llama", "t5", "swin", "whisper", "mixtral"}  # the largest graphs: capture dominates
 OPTIONS = {"ilp": {"time_limit": 2.0}, "auto": {"time_limit": 2.0}}  # seconds per MILP solve, for test time
 
-# Memory-model gaps measured by benchmarks/zoo.py (worst prediction error; plans measured over their
-# budget) and reported to the owners of planner/profile.py and solvers/simulate.py. The simulator
-# under-predicts these models' checkpointed peaks, by more than the 2 % safety margin of optimize()
-# or more than 5 %. Exactness is still asserted for them; only the memory checks are expected to fail.
-KNOWN_PREDICTION_GAP = {
-    "unet": "-15 % (in-place ReLU: an in-place node's output gradient is counted as 0 grad_bytes; "
-    "checkpointed U-Net plans are under-predicted by about 6 % without in-place ops too)",
-    "vit": "-6.9 %, every plan over its budget",
-    "llama": "-6.5 %",
-    "convnext": "-2.8 %, over budget",
-    "resnet": "-2.0 %, over budget (in-place residual add is a candidate cause)",
-    "mixtral": "-1.6 %, over budget",
-    "whisper": "-1.5 %, over budget",
-    "t5": "-1.1 %, over budget",
-}
-
 # Models whose exported graph (no checkpointing at all) differs from eager in the last bits of
 # some gradients (max 1.1e-8 for Llama); for them the plan is compared bitwise to the graph.
 EXPORT_ROUNDING = {"llama"}
@@ -90,6 +74,4 @@ def test_zoo(name: str, solver: str) -> None:
                 f"{where}: measured {row['measured_bytes']} B, budget {row['budget_bytes']} B, "
                 f"predicted {row['predicted_bytes']} B ({row['prediction_error'] * 100:+.1f} %)"
             )
-    if gaps and name in KNOWN_PREDICTION_GAP:
-        pytest.xfail(f"known under-prediction {KNOWN_PREDICTION_GAP[name]}: " + "; ".join(gaps))
     assert not gaps, "; ".join(gaps)
