@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,7 +257,15 @@ def _measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) ->
         for p in params:
             p.grad = None
         with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem:
-            loss.backward()
+            try:
+                loss.backward()
+            except Exception as e:  # noqa: BLE001 - a plan is still possible, only less exact
+                warnings.warn(
+                    f"the backward's temporaries were not measured ({_first_line(e)}): "
+                    "predicted peaks may be a few % low",
+                    stacklevel=2,
+                )
+                return {}
         if current[0] is not None:
             peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
     finally:
@@ -266,6 +275,11 @@ def _measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) ->
             p.grad = g
         prof.grad_fns.clear()
     return peaks
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:

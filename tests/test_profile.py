@@ -176,3 +176,37 @@ def test_view_output_gradient_is_counted():
     params = list(model.parameters())
     measured, _ = measure_step(model, (x,), {}, params, params, default_loss, torch.device("cpu"))
     assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("this op has no backward here")
+
+
+def _no_backward(x):
+    return _NoBackward.apply(x)
+
+
+torch.fx.wrap("_no_backward")  # one graph node that calls the Function (tracing would inline its forward)
+
+
+class _UsesNoBackward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _no_backward(self.fc(x)).sum()
+
+
+def test_failing_backward_leaves_a_profile_with_a_warning():
+    model = _UsesNoBackward()
+    with pytest.warns(UserWarning, match="temporaries were not measured.*no backward here"):
+        cost = profile(capture(model, (torch.randn(4, 8),)), FAST)
+    assert cost.nodes and all(n.backward_temp_bytes == 0 for n in cost.nodes)
+    assert all(p.grad is None for p in model.parameters())
