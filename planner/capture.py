@@ -4,6 +4,12 @@
 hand-written models read well); when it fails, or gives a graph whose output
 differs from the model's, `torch.export.export(..., strict=False).module()`,
 which handles transformers models. Capture happens in training mode.
+
+A custom `torch.autograd.Function` becomes one graph node that calls its
+`apply`, so its own backward runs (tracing into its forward would give the
+autograd of the forward ops instead). torch.export traces into it; a model
+whose Function calls only export can see is refused rather than planned with
+the wrong gradients.
 """
 
 from __future__ import annotations
@@ -85,8 +91,48 @@ def _same_outputs(a: Any, b: Any) -> bool:
     return True
 
 
+_APPLY: dict[type, Any] = {}
+
+
+def _function_node(cls: type) -> Any:
+    """The graph target that runs the autograd.Function `cls` (one per class, named after it)."""
+    fn = _APPLY.get(cls)
+    if fn is None:
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            return cls.apply(*args, **kwargs)
+
+        fn.__name__ = fn.__qualname__ = f"apply_{cls.__name__}"
+        _APPLY[cls] = fn
+    return fn
+
+
+@contextlib.contextmanager
+def _autograd_functions(on_call) -> Iterator[None]:
+    """Within: every `torch.autograd.Function.apply` goes through on_call(cls, apply, args, kwargs)."""
+    Function = torch.autograd.Function
+    original = Function.__dict__["apply"]
+
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        return on_call(cls, lambda *a, **k: original.__func__(cls, *a, **k), args, kwargs)
+
+    Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        Function.apply = original
+
+
+def _as_node(cls: type, run, args: tuple, kwargs: dict) -> Any:
+    proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
+    if proxy is None:
+        return run(*args, **kwargs)
+    return proxy.tracer.create_proxy("call_function", _function_node(cls), args, kwargs)
+
+
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    gm = fx.symbolic_trace(model)
+    with _autograd_functions(_as_node):
+        gm = fx.symbolic_trace(model)
     is_meta = any(t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     if not is_meta:
         # symbolic_trace can silently bake in control flow; check it on the real inputs.
@@ -127,12 +173,30 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
             if method == "symbolic_trace":
                 raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
             reason = _key_line(e)
+    seen: list[str] = []
+
+    def note(cls: type, run, a: tuple, k: dict) -> Any:
+        # torch's own Functions (custom ops' registered autograd) stay ops in the exported graph.
+        if not cls.__module__.startswith("torch.") and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((a, k))
+        ):
+            seen.append(f"{cls.__module__}.{cls.__qualname__}")
+        return run(*a, **k)
+
     try:
-        with ModelState(model).preserved():
+        with ModelState(model).preserved(), _autograd_functions(note):
             ep = torch.export.export(model, args, kwargs, strict=False)
+        if seen:
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: symbolic_trace: {reason}; torch.export traces into "
+                f"the custom autograd.Function {seen[0]} and would lose its backward (wrong gradients). "
+                "Make the model symbolic-traceable around it (symbolic_trace keeps the Function as one node)"
+            )
         gm = ep.module()
         _rebind_state(gm, model)
         return Capture(gm, "export", reason, args, kwargs, builtin)
+    except CaptureError:
+        raise
     except Exception as e:  # noqa: BLE001 - reported with both causes
         tried = f"symbolic_trace: {reason}; " if reason else ""
         raise CaptureError(

@@ -559,3 +559,53 @@ def test_eval_and_no_grad(method, monkeypatch):
     with torch.no_grad():
         diff = not torch.equal(module(x), model(x))
     assert diff == (method == "export")
+
+
+# -- 11. Custom autograd.Function -----------------------------------------------------------
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: its backward is not the autograd of its forward (round's is 0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class QuantMLP(nn.Module):
+    def __init__(self, loop: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.loop = loop
+
+    def forward(self, x):
+        if self.loop:
+            for _ in range(x.size(0) // x.size(0)):  # range over a size: symbolic_trace cannot, export can
+                pass
+        for fc in self.fc:
+            x = torch.tanh(_RoundSTE.apply(fc(x)))
+        return x
+
+
+def test_custom_autograd_function_keeps_its_backward():
+    torch.manual_seed(0)
+    model, x = QuantMLP(), torch.randn(8, 16)
+    cap, module = checkpointed(model, x)
+    assert cap.method == "symbolic_trace"
+    assert "apply__RoundSTE" in cap.graph_module.code  # one node per call, running the Function
+    assert _regions_of(module) >= 1
+    assert compare(model, module, x) == (True, True, True)
+    assert all(p.grad is None for p in model.parameters())
+    _, grads, _ = step(model, model, x)
+    assert grads["fc.0.weight"].abs().sum() > 0  # the straight-through gradient reaches the first layer
+
+
+def test_custom_autograd_function_refused_where_export_would_drop_it():
+    from planner import CaptureError
+
+    with pytest.raises(CaptureError, match=r"autograd\.Function .*_RoundSTE.*lose its backward"):
+        capture(QuantMLP(loop=True), (torch.randn(8, 16),))
