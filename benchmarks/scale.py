@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import resource
 import sys
@@ -185,7 +186,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Planning at scale on the meta device",
         "",
-        f"`python benchmarks/scale.py` on {env['machine']} ({env['cpus']} CPUs shared with other work), "
+        f"`python benchmarks/scale.py` on {env['machine']} ({env['cpus']} CPUs, 1-minute load average "
+        f"{env.get('load_start', float('nan')):.1f} at the start), "
         f"torch {env['torch']}, transformers {env['transformers']}. Models built on the meta device in bf16, "
         "batch 1; bytes exact on fake tensors, time from FLOPs. Wall = capture + profile + solve "
         f"(target < {TARGET_S:.0f} s). GB = 1e9 bytes.",
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "environment": {"machine": platform.machine() + " " + platform.system(), "cpus": mp.cpu_count(),
                         "torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version()},
+                        "python": platform.python_version(), "load_start": os.getloadavg()[0]},
         "target_s": TARGET_S,
         "compare_timeout_s": args.compare_timeout,
         "models": [],
