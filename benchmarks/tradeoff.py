@@ -167,19 +167,38 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict) -> list[Contende
     base_peak = solvers.simulate(problem, ()).peak_bytes
     meta["predicted_baseline_peak_bytes"] = base_peak
     out = []
+    act = base_peak - problem.fixed_bytes
     for name in solver_names:
+        smallest = None
         for f in budgets:
-            budget = int(problem.fixed_bytes + f * (base_peak - problem.fixed_bytes))
+            budget = int(problem.fixed_bytes + f * act)
             t1 = time.perf_counter()
             try:
                 sol = solvers.solve(problem, budget, name)
             except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
                 meta.setdefault("infeasible", []).append({"solver": name, "activation_budget": f, "error": str(e)[:200]})
+                if isinstance(e, solvers.InfeasibleBudgetError) and smallest is None:
+                    smallest = e.smallest_bytes
                 continue
             wall = time.perf_counter() - t1
             plan = plan_from_solution(cost, problem, sol, cap)
             module = rewrite(cap.graph_module, plan.spans(), model=case.model)
             out.append(Contender(f"ours-{name}@{f}", f"ours-{name}", f, module, list(case.model.parameters()),
+                                 predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
+                                 regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s))
+        if smallest is not None and act > 0:
+            # The least memory this solver reaches: the smallest budget its infeasible error named.
+            t1 = time.perf_counter()
+            try:
+                sol = solvers.solve(problem, smallest, name)
+            except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
+                meta.setdefault("infeasible", []).append({"solver": name, "activation_budget": "min", "error": str(e)[:200]})
+                continue
+            wall = time.perf_counter() - t1
+            f = round((smallest - problem.fixed_bytes) / act, 3)
+            plan = plan_from_solution(cost, problem, sol, cap)
+            module = rewrite(cap.graph_module, plan.spans(), model=case.model)
+            out.append(Contender(f"ours-{name}@min", f"ours-{name}", f, module, list(case.model.parameters()),
                                  predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
                                  regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s))
     return out

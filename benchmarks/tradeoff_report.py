@@ -175,7 +175,9 @@ def write_report(results: dict, out: Path) -> None:
         f"- Time: median of {meta['repeats']} steps (forward + backward) after {meta['warmup']} warm-up step(s), "
         "the contenders of a model run round-robin in one process so that load on the machine hits them alike.",
         f"- Ours: solvers {', '.join(meta['solvers_run'])} (registered: {', '.join(meta['solvers_registered'])}) "
-        f"at activation budgets {', '.join(map(str, meta['our_activation_budgets']))}; torch.compile at "
+        f"at activation budgets {', '.join(map(str, meta['our_activation_budgets']))}, and where one of them is "
+        "infeasible, at the smallest budget the solver's error names (`@min`: the least memory it reaches); "
+        "torch.compile at "
         f"activation_memory_budget {', '.join(map(str, meta['compile_budgets']))} and without a budget, "
         f"inductor backend, on: {', '.join(meta.get('compile_models') or []) or 'none'}.",
         "- Overhead = step time / the family's own no-checkpoint step time - 1 (eager for ours, per-block and "
