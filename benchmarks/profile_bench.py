@@ -60,7 +60,7 @@ def run(layers: int, hidden: int, heads: int, batch: int, seq: int) -> dict:
     mismatched = [
         a.name
         for a, b in zip(real.nodes, meta.nodes, strict=False)
-        if (a.out_bytes, a.grad_bytes) != (b.out_bytes, b.grad_bytes)
+        if (a.out_bytes, a.grad_bytes, a.backward_temp_bytes) != (b.out_bytes, b.grad_bytes, b.backward_temp_bytes)
     ]
     return {
         "model": f"GPT2LMHeadModel, {layers} layers, hidden {hidden}, {heads} heads",
@@ -110,9 +110,10 @@ def markdown(r: dict) -> str:
             f"{r['profiled_nodes']} | {r['saved_bytes_meta'] / mb:,.1f} | {r['forward_time_meta_s']:.2f} (from FLOPs) |",
             "",
             f"Meta mode against real: same nodes {'yes' if r['same_nodes'] else 'NO'}; saved bytes "
-            f"{'equal' if r['saved_bytes_real'] == r['saved_bytes_meta'] else 'DIFFER'}; nodes whose output or "
-            f"gradient bytes differ: {len(r['nodes_with_different_bytes'])}. Real profiling runs the graph "
-            "1 + 3 times node by node under the recording interpreter; meta mode runs it once on fake tensors.",
+            f"{'equal' if r['saved_bytes_real'] == r['saved_bytes_meta'] else 'DIFFER'}; nodes whose output, "
+            f"gradient or backward-temporary bytes differ: {len(r['nodes_with_different_bytes'])}. Real profiling "
+            "runs the graph 1 + 3 times node by node under the recording interpreter, then one backward; meta mode "
+            "runs the forward and the backward once on fake tensors.",
             "",
         ]
     )
