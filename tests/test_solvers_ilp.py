@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solvers import Problem, simulate, solve
+from solvers import InfeasibleBudgetError, Problem, simulate, solve
 from solvers.bruteforce import bruteforce
 from solvers.costs import recompute_time, trim_flat_regions
 from solvers.ilp import _best_bound
@@ -157,3 +157,26 @@ def test_cbc_bound_comes_from_the_closing_summary(tmp_path, log, bound):
     path = tmp_path / "cbc.log"
     path.write_text(log)
     assert _best_bound("cbc", None, str(path), 0.65636212 if bound > 0.655 else 0.7) == pytest.approx(bound)
+
+
+def test_smallest_budget_named_is_met_again_when_the_milp_times_out(monkeypatch):
+    # The ILP names the least peak it found as the smallest feasible budget. Asked again at that
+    # budget, a time-limited MILP may find nothing at all; the least-peak plan it found before
+    # (remembered, used as the warm start) must still be returned. Greedy and uniform both miss
+    # this budget on this problem, so only that memory can meet it.
+    from solvers import ilp as ilp_module
+    from tests.test_solvers_dp import decoder
+
+    problem = decoder(4)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(problem, 0, solver="ilp")
+    smallest = info.value.smallest_bytes
+    for heuristic in ("greedy", "uniform"):
+        with pytest.raises(InfeasibleBudgetError):
+            solve(problem, smallest, solver=heuristic)
+    def every_solve_times_out(problem_, budget, *args, **kwargs):
+        return None, {"status": "Not Solved"}
+
+    monkeypatch.setattr(ilp_module, "_solve_milp", every_solve_times_out)
+    solution = solve(problem, smallest, solver="ilp")
+    assert solution.peak_bytes <= smallest
