@@ -18,7 +18,9 @@ compiled code too; `LiveMemory` (a dispatch mode, blind inside compiled code)
 is recorded beside it for the no-checkpoint, per-block and sequential steps as
 a cross-check. On CUDA it
 is `max_memory_allocated` (and `max_memory_reserved`). Both include
-parameters, buffers and inputs.
+parameters, buffers and inputs. The model's output is held through the
+backward (`out = model(x); loss(out).backward()`), the step the planner
+predicts; `model(x).loss.backward()` frees the logits before the backward.
 
     python benchmarks/tradeoff.py                      # CPU sizes, all models (minutes)
     python benchmarks/tradeoff.py --scale tiny --models gpt2 --out /tmp/t
@@ -94,7 +96,9 @@ def _alloc_peak(c: Contender, args: tuple, kwargs: dict, device: torch.device) -
     for p in c.params:
         p.grad = None
     with tprofile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        default_loss(c.module(*args, **kwargs)).backward()
+        out = c.module(*args, **kwargs)  # held through backward, as the planner assumes
+        default_loss(out).backward()
+        del out
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
     current = peak = 0
     for e in events:
@@ -115,7 +119,9 @@ def measure_memory(c: Contender, args: tuple, kwargs: dict, device: torch.device
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        default_loss(c.module(*args, **kwargs)).backward()
+        out = c.module(*args, **kwargs)  # held through backward, as the planner assumes
+        default_loss(out).backward()
+        del out
         torch.cuda.synchronize(device)
         r["measured_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before + r["resident_bytes"]
         r["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -128,7 +134,9 @@ def measure_memory(c: Contender, args: tuple, kwargs: dict, device: torch.device
             mem.track(list(c.module.parameters()), list(c.module.buffers()), args, kwargs)
             torch.manual_seed(0)
             with mem:
-                default_loss(c.module(*args, **kwargs)).backward()
+                out = c.module(*args, **kwargs)  # held through backward, as the planner assumes
+                default_loss(out).backward()
+                del out
             r["live_memory_peak_bytes"] = mem.peak
     grads = [p.grad for p in c.params]
     if base_grads is not None and len(grads) == len(base_grads):

@@ -167,7 +167,8 @@ def write_report(results: dict, out: Path) -> None:
     if meta.get("note"):
         lines += [f"**{meta['note']}**", ""]
     lines += [
-        f"- Memory: {meta['memory_meter']}. Every contender is measured with the same meter; for the "
+        f"- Memory: {meta['memory_meter']}, with the model's output held through the backward (`out = model(x); "
+        "loss(out).backward()`, the step the planner predicts). Every contender is measured with the same meter; for the "
         "no-checkpoint, per-block and checkpoint_sequential steps the dispatch-mode meter `LiveMemory` is "
         "recorded beside it (column 'LiveMemory'). `LiveMemory` cannot see inside `torch.compile`d code (under "
         "the mode the compiled function reports the eager figure), so compiled contenders are measured by the "
