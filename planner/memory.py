@@ -37,15 +37,6 @@ class LiveMemory(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
                 self._add(t.untyped_storage())
 
-    def ignore(self, *tensors: Any) -> None:
-        """Storages that exist already and are not to be counted, nor views of them."""
-        for t in pytree.tree_leaves(tensors):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-                st = t.untyped_storage()
-                if st._cdata not in self.live:
-                    self.live[st._cdata] = 0
-                    weakref.finalize(st, self._free, st._cdata)
-
     def _add(self, st: torch.UntypedStorage) -> None:
         key = st._cdata
         if key in self.live:

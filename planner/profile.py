@@ -15,14 +15,8 @@ base's: the view gets none, and its consumers list the base among their
 inputs, which makes the base's gradient live from the first of those
 backward steps (attention's backward making the head views' gradients).
 
-What the model of gradients cannot see is measured: after the forward, one
-backward runs with a live-storage counter and a pre-hook on every autograd
-node, attributed to the fx node whose forward made it. A node's
-`backward_temp_bytes` is the peak its backward step reached over the
-simulator's figure for that step without checkpointing: pow's and
-log-softmax's gradient temporaries, gradient sums, a gradient kept alive by
-the narrow views cat's backward hands out. Gradients do not depend on the
-plan, so the excess is the same under every plan.
+What the model of gradients cannot see (the backward's own temporaries) is
+measured by one backward after the recording run: see planner/backward.py.
 
 In meta mode the same interpreter runs on fake tensors: byte figures are
 exact, time comes from FLOPs and bytes moved (a roofline), nothing is run.
@@ -36,7 +30,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +38,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from .backward import measure_backward, with_backward_temps
 from .capture import Capture, flatten_for_graph
 from .errors import ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
@@ -216,96 +210,6 @@ def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, f
     return prof
 
 
-def _measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> dict[str, int]:
-    """Run the step's backward once; per fx node, the peak bytes live during its backward step.
-
-    Call after `_build`: the interpreter's references to the activations are dropped first, so
-    what is live is what a training step holds (state, inputs, outputs, saved activations until
-    autograd releases them, gradients, the backward's temporaries). A node's step runs from the
-    start of the first of its autograd nodes to the start of another node's. Parameters' `.grad`
-    are left as they were.
-    """
-    import contextlib
-    import gc
-
-    from .verify import default_loss
-
-    out, prof.step_output = prof.step_output, None
-    peaks: dict[str, int] = {}
-    try:
-        loss = default_loss(gm.graph.process_outputs(out))
-    except (ValueError, TypeError, AttributeError):
-        prof.grad_fns.clear()
-        return peaks  # nothing to differentiate: no backward to measure
-    mem = LiveMemory()
-    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [e[0] for e in prof.events.values()])
-    mem.track(out, loss)
-    prof.env, prof.events = {}, {}
-    gc.collect()  # activations nothing saved are gone, as in a real step
-    current: list[str | None] = [None]
-
-    def enter(name: str) -> None:
-        if current[0] is not None:
-            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
-        current[0] = name
-        mem.reset_peak()
-
-    handles = [fn.register_prehook(lambda _grads, name=name: enter(name)) for fn, name in prof.grad_fns.items()]
-    params = [p for p in gm.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    try:
-        for p in params:
-            p.grad = None
-        with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem:
-            try:
-                loss.backward()
-            except Exception as e:  # noqa: BLE001 - a plan is still possible, only less exact
-                warnings.warn(
-                    f"the backward's temporaries were not measured ({_first_line(e)}): "
-                    "predicted peaks may be a few % low",
-                    stacklevel=2,
-                )
-                return {}
-        if current[0] is not None:
-            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
-    finally:
-        for h in handles:
-            h.remove()
-        for p, g in zip(params, grads):
-            p.grad = g
-        prof.grad_fns.clear()
-    return peaks
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
-    """The cost graph with each node's backward_temp_bytes: what its measured backward step holds
-    beyond the simulator's figure for that step without checkpointing (never below 0).
-
-    Gradients do not depend on the plan, so the excess (temporaries, gradient sums, a gradient
-    kept alive by views of it) is the same under any plan.
-    """
-    if not peaks:
-        return cost
-    import dataclasses
-
-    from solvers.simulate import simulate
-
-    sim = [0] * len(cost.nodes)
-    for phase, k, total in simulate(cost.to_problem(), (), timeline=True).timeline:
-        if phase == "backward":
-            sim[k] = max(sim[k], total)
-    nodes = tuple(
-        dataclasses.replace(n, backward_temp_bytes=max(0, peaks[n.name] - sim[i])) if n.name in peaks else n
-        for i, n in enumerate(cost.nodes)
-    )
-    return dataclasses.replace(cost, nodes=nodes)
-
-
 def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
     timer = CostProfiler(gm)
     if dev.type == "cuda":
@@ -319,7 +223,7 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     prof = _run_recording(gm, flat, config)
     times = {name: statistics.median(ts) for name, ts in timer.times.items()}
     cost = _build(gm, flat, prof, times, method="measured", device=str(dev))
-    return _backward_temps(cost, _measure_backward(gm, prof))
+    return with_backward_temps(cost, measure_backward(gm, prof))
 
 
 def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
@@ -338,7 +242,7 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     try:
         prof = _run_recording(gm, flat_fake, config, fake_mode)
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
-        built = _backward_temps(built, _measure_backward(gm, prof, fake_mode))
+        built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
     finally:
         _swap_state(gm, real_state)
     return built

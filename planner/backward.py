@@ -1,0 +1,108 @@
+"""The backward's temporaries: what a node's backward step holds beyond the gradients the simulator counts.
+
+After the profiler's recording run (planner/profile.py), one backward runs with a
+live-storage counter (`LiveMemory`) and a pre-hook on every autograd node, each
+attributed to the fx node whose forward made it. A node's `backward_temp_bytes`
+is the peak its backward step reached over the simulator's figure for that step
+without checkpointing: pow's and log-softmax's gradient temporaries, gradient
+sums, a gradient kept alive by the narrow views cat's backward hands out.
+Gradients do not depend on the plan, so the excess is the same under every plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import warnings
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from solvers.simulate import simulate
+
+from .capture import _key_line
+from .graph import CostGraph
+from .memory import LiveMemory
+from .verify import default_loss
+
+if TYPE_CHECKING:
+    from .profile import CostProfiler
+
+__all__ = ["measure_backward", "with_backward_temps"]
+
+
+def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> dict[str, int]:
+    """Run the step's backward once; per fx node, the peak bytes live during its backward step.
+
+    Call after `_build`: the interpreter's references to the activations are dropped first, so
+    what is live is what a training step holds (state, inputs, outputs, saved activations until
+    autograd releases them, gradients, the backward's temporaries). A node's step runs from the
+    start of the first of its autograd nodes to the start of another node's. Parameters' `.grad`
+    are left as they were.
+    """
+    out, prof.step_output = prof.step_output, None
+    peaks: dict[str, int] = {}
+    try:
+        loss = default_loss(gm.graph.process_outputs(out))
+    except (ValueError, TypeError, AttributeError):
+        prof.grad_fns.clear()
+        return peaks  # nothing to differentiate: no backward to measure
+    mem = LiveMemory()
+    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [e[0] for e in prof.events.values()])
+    mem.track(out, loss)
+    prof.env, prof.events = {}, {}
+    gc.collect()  # activations nothing saved are gone, as in a real step
+    current: list[str | None] = [None]
+
+    def enter(name: str) -> None:
+        if current[0] is not None:
+            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
+        current[0] = name
+        mem.reset_peak()
+
+    handles = [fn.register_prehook(lambda _grads, name=name: enter(name)) for fn, name in prof.grad_fns.items()]
+    params = [p for p in gm.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem:
+            try:
+                loss.backward()
+            except Exception as e:  # noqa: BLE001 - a plan is still possible, only less exact
+                warnings.warn(
+                    f"the backward's temporaries were not measured ({_key_line(e)}): "
+                    "predicted peaks may be a few % low",
+                    stacklevel=2,
+                )
+                return {}
+        if current[0] is not None:
+            peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, grads):
+            p.grad = g
+        prof.grad_fns.clear()
+    return peaks
+
+
+def with_backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
+    """The cost graph with each node's backward_temp_bytes: what its measured backward step holds
+    beyond the simulator's figure for that step without checkpointing (never below 0).
+
+    Gradients do not depend on the plan, so the excess (temporaries, gradient sums, a gradient
+    kept alive by views of it) is the same under any plan.
+    """
+    if not peaks:
+        return cost
+    sim = [0] * len(cost.nodes)
+    for phase, k, total in simulate(cost.to_problem(), (), timeline=True).timeline:
+        if phase == "backward":
+            sim[k] = max(sim[k], total)
+    nodes = tuple(
+        dataclasses.replace(n, backward_temp_bytes=max(0, peaks[n.name] - sim[i])) if n.name in peaks else n
+        for i, n in enumerate(cost.nodes)
+    )
+    return dataclasses.replace(cost, nodes=nodes)
