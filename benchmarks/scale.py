@@ -31,13 +31,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import ckpt_planner.solvers as solvers  # noqa: E402
 import torch  # noqa: E402
-
-import solvers  # noqa: E402
-from planner.api import optimize, optimizer_state_bytes  # noqa: E402
-from planner.capture import capture  # noqa: E402
-from planner.errors import InfeasibleBudgetError  # noqa: E402
-from planner.profile import ProfileConfig, profile  # noqa: E402
+from ckpt_planner.api import optimize, optimizer_state_bytes  # noqa: E402
+from ckpt_planner.capture import capture  # noqa: E402
+from ckpt_planner.errors import InfeasibleBudgetError  # noqa: E402
+from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
 
 GB = 1e9
 TARGET_S = 60.0

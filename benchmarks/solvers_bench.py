@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve  # noqa: E402
+from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 2**20
@@ -193,10 +193,9 @@ def captured_problems() -> list[Problem]:
     import warnings
 
     import torch
+    from ckpt_planner.capture import capture
+    from ckpt_planner.profile import ProfileConfig, profile
     from transformers import GPT2Config, GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
-
-    from planner.capture import capture
-    from planner.profile import ProfileConfig, profile
 
     cases = []
     with torch.device("meta"):

@@ -46,16 +46,15 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ckpt_planner.solvers as solvers  # noqa: E402
+from ckpt_planner.api import plan_from_solution  # noqa: E402
+from ckpt_planner.capture import capture, normalize_inputs  # noqa: E402
+from ckpt_planner.memory import LiveMemory  # noqa: E402
+from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
+from ckpt_planner.rewrite import rewrite  # noqa: E402
+from ckpt_planner.verify import default_loss  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
 from tradeoff_report import write_report  # noqa: E402
-
-import solvers  # noqa: E402
-from planner.api import plan_from_solution  # noqa: E402
-from planner.capture import capture, normalize_inputs  # noqa: E402
-from planner.memory import LiveMemory  # noqa: E402
-from planner.profile import ProfileConfig, profile  # noqa: E402
-from planner.rewrite import rewrite  # noqa: E402
-from planner.verify import default_loss  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUR_BUDGETS = (0.25, 0.5, 0.75)

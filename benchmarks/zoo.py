@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from ckpt_planner.api import Planner  # noqa: E402
 
-from planner.api import Planner  # noqa: E402
 from tests.zoo_models import ZOO, build, run_case, solver_names  # noqa: E402
 
 FRACTIONS = (0.5, 0.25)

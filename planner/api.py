@@ -7,10 +7,7 @@ from typing import Any
 
 import torch
 
-import solvers
-from solvers import Problem, Solution, simulate
-from solvers.simulate import normalize_regions
-
+from . import solvers
 from .capture import capture, flatten_for_graph
 from .distributed import check_sharding, shard_problem
 from .errors import InputError
@@ -18,6 +15,8 @@ from .graph import CostGraph
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
+from .solvers import Problem, Solution, simulate
+from .solvers.simulate import normalize_regions
 from .state import ModelState
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]

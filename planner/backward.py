@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from solvers.simulate import simulate
-
 from .capture import _key_line
 from .graph import CostGraph
 from .memory import LiveMemory
+from .solvers.simulate import simulate
 from .verify import default_loss
 
 if TYPE_CHECKING:

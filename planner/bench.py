@@ -112,8 +112,7 @@ def bench(
     exactness and the measured memory timeline; a solver that cannot meet the
     budget gets an 'infeasible' row.
     """
-    import solvers
-
+    from . import solvers
     from .capture import flatten_for_graph, normalize_inputs
     from .plan import graph_fingerprint
     from .state import ModelState

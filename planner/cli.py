@@ -1,4 +1,4 @@
-"""The `ckpt-planner` command line (also `python -m planner`).
+"""The `ckpt-planner` command line (also `python -m ckpt_planner`).
 
 Subcommands: plan, apply, bench, report, profile, demo. Every error is one
 line on stderr. Exit codes: 0 ok, 1 infeasible budget or failed
@@ -175,7 +175,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _default_solver() -> str:
-    from solvers import SOLVERS
+    from .solvers import SOLVERS
 
     return "auto" if "auto" in SOLVERS else "uniform"
 
@@ -206,9 +206,8 @@ def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan checkpointing for a saved model; write the plan file (with the report's data)."""
-    import solvers
-
     from . import report as rep
+    from . import solvers
     from .errors import InputError
 
     solvers.get_solver(args.solver)
@@ -245,7 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _curve_solvers(args: argparse.Namespace) -> list[str]:
     """Solvers for the report's curve: --curve-solvers, else every registered one but the trivial and exhaustive."""
-    import solvers
+    from . import solvers
 
     if not args.curve_points:
         return []
@@ -293,7 +292,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     _say(
         args,
         f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
-        f"load it:   from planner.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
+        f"load it:   from ckpt_planner.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
         f"or check:  python {out}/load.py{' --trust-pickle' if flag else ''}   (one training step)",
     )
     return EXIT_OK
@@ -304,9 +303,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Optimize + verify with each solver side by side; table or JSON."""
-    import solvers
-
     from . import bench as rep
+    from . import solvers
     from .errors import InputError
 
     if args.device == "meta":
@@ -415,7 +413,7 @@ _EPILOGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from solvers import SOLVERS
+    from .solvers import SOLVERS
 
     parser = _Parser(
         prog="ckpt-planner",
@@ -494,9 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from solvers import InfeasibleBudgetError, UnknownSolverError
-
     from .errors import InputError, PlanFileError, PlanMismatchError, PlannerError
+    from .solvers import InfeasibleBudgetError, UnknownSolverError
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep errors to one line when a factory builds an HF model
     parser = build_parser()

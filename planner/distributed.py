@@ -19,9 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from solvers import Problem
-
 from .errors import InputError
+from .solvers import Problem
 
 __all__ = ["SHARDINGS", "check_sharding", "shard_problem"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from solvers.registry import InfeasibleBudgetError, UnknownSolverError
+from .solvers.registry import InfeasibleBudgetError, UnknownSolverError
 
 __all__ = [
     "PlannerError",

@@ -366,7 +366,7 @@ class Applied:
     model: torch.nn.Module
     """The original model it was built from, with the saved state loaded."""
     plan: Any
-    """The Plan (planner.plan.Plan)."""
+    """The Plan (ckpt_planner.plan.Plan)."""
     example_inputs: Any
     """The example inputs the plan was made for."""
 
@@ -467,7 +467,7 @@ _LOAD_PY = '''"""Load the checkpointed module in this folder (written by `ckpt-p
 
 from pathlib import Path
 
-from planner.loading import load_applied
+from ckpt_planner.loading import load_applied
 
 HERE = Path(__file__).resolve().parent
 
@@ -480,8 +480,8 @@ def load(trust_pickle: bool = False):
 if __name__ == "__main__":
     import sys
 
-    from planner.capture import normalize_inputs
-    from planner.verify import default_loss
+    from ckpt_planner.capture import normalize_inputs
+    from ckpt_planner.verify import default_loss
 
     applied = load(trust_pickle="--trust-pickle" in sys.argv)
     args, kwargs = normalize_inputs(applied.example_inputs)

@@ -50,7 +50,7 @@ def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) 
 
 def timeline_data(problem: Any, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Predicted live bytes after every simulator event of one step (forward, recompute, backward)."""
-    from solvers import simulate
+    from .solvers import simulate
 
     sim = simulate(problem, regions, timeline=True)
     values = [int(b) for _, _, b in sim.timeline]
@@ -72,8 +72,8 @@ def curve_data(
     Uses `solvers.sweep` when it exists, else one solve per budget; infeasible budgets are left out.
     `tick` is called once per solver (progress bars).
     """
-    import solvers
-    from solvers import InfeasibleBudgetError, simulate
+    from . import solvers
+    from .solvers import InfeasibleBudgetError, simulate
 
     base = simulate(problem, ()).peak_bytes
     fixed = problem.fixed_bytes

@@ -1,6 +1,6 @@
 """Checkpoint placement solvers on plain data (no torch).
 
-    from solvers import Problem, solve
+    from ckpt_planner.solvers import Problem, solve
     solution = solve(problem, budget_bytes=2**30, solver="uniform")
 """
 

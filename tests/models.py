@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-from planner.examples import MLPChain, ResidualCNN, TinyGPT
+from ckpt_planner.examples import MLPChain, ResidualCNN, TinyGPT
 
 
 def mlp():

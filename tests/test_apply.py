@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from ckpt_planner import InputError, Plan, PlanMismatchError, ProfileConfig, optimize
+from ckpt_planner.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
+from ckpt_planner.plan import Region
+from ckpt_planner.solvers import simulate
+from ckpt_planner.verify import default_loss, measure_step
 
-from planner import InputError, Plan, PlanMismatchError, ProfileConfig, optimize
-from planner.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
-from planner.plan import Region
-from planner.verify import default_loss, measure_step
-from solvers import simulate
 from tests.models import LOCAL, hf_bert
 
 FAST = ProfileConfig(warmup=0, repeats=1)

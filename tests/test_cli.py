@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from planner.cli import main
-from planner.loading import load_applied, make_inputs, parse_input_spec
-from planner.rewrite import CheckpointRegion
+from ckpt_planner.cli import main
+from ckpt_planner.loading import load_applied, make_inputs, parse_input_spec
+from ckpt_planner.rewrite import CheckpointRegion
 
 REPO = Path(__file__).resolve().parent.parent
 
 FACTORY = '''
 import torch
-from planner.examples import MLPChain
+from ckpt_planner.examples import MLPChain
 
 
 def make():
@@ -84,7 +83,7 @@ def test_input_spec_parses(text, shape, dtype, low, high, name):
 
 @pytest.mark.parametrize("text", ["8,x", "8,3:floaty", "2,3:int64:9-1", "2:int64:a-b", "1:bool:0-1", "1:f:2:3"])
 def test_bad_input_spec_is_an_input_error(text):
-    from planner.errors import InputError
+    from ckpt_planner.errors import InputError
 
     with pytest.raises(InputError, match="input"):
         parse_input_spec(text)
@@ -139,7 +138,7 @@ def test_factory_plan_verify_apply_and_train(work, factory_plan, capsys):
     # Loads back and trains: same gradients as the original model, and an optimizer step changes the weights.
     applied = load_applied(out)
     assert set(applied.module.state_dict()) == set(state)
-    from planner.examples import MLPChain
+    from ckpt_planner.examples import MLPChain
 
     torch.manual_seed(0)
     reference = MLPChain(d=32, blocks=4)
@@ -155,7 +154,7 @@ def test_factory_plan_verify_apply_and_train(work, factory_plan, capsys):
 
 
 def test_pt2_plan_and_apply(work, capsys):
-    from planner.examples import MLPChain
+    from ckpt_planner.examples import MLPChain
 
     torch.manual_seed(0)
     model, x = MLPChain(d=32, blocks=4), torch.randn(64, 32)
@@ -177,7 +176,7 @@ def test_pt2_plan_and_apply(work, capsys):
 
 
 def test_pickled_model_needs_trust(work, capsys):
-    from planner.examples import MLPChain
+    from ckpt_planner.examples import MLPChain
 
     torch.manual_seed(0)
     torch.save(MLPChain(d=32, blocks=4), work / "mlp.pt")
@@ -264,10 +263,10 @@ def test_bad_inputs_fail_cleanly(work, factory_plan, capsys):
 
 
 def test_entry_point_exit_code_and_one_line(work):
-    """`python -m planner` as a user runs it: an infeasible budget after a full profile gives exit 1 and one line."""
+    """`python -m ckpt_planner` as a user runs it: an infeasible budget after a full profile gives exit 1 and one line."""
     out = work / "sub_plan.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "planner", "plan", f"{work}/factory.py:make", "--solver", "uniform",
+        [sys.executable, "-m", "ckpt_planner", "plan", f"{work}/factory.py:make", "--solver", "uniform",
          "--budget-bytes", "1000", "-o", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -282,7 +281,7 @@ def test_failed_verification_exits_1_and_writes_nothing(work, capsys, monkeypatc
     import dataclasses
     import importlib
 
-    verify_module = importlib.import_module("planner.verify")  # `planner.verify` is the function
+    verify_module = importlib.import_module("ckpt_planner.verify")  # `ckpt_planner.verify` is the function
     real = verify_module.verify
 
     def wrong_gradients(*args, **kwargs):

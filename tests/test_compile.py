@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
-from planner import ProfileConfig, optimize
-from planner.memory import storage_key
+from ckpt_planner import ProfileConfig, optimize
+from ckpt_planner.memory import storage_key
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # inductor fuses and reorders float math

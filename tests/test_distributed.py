@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ckpt_planner import InputError, Plan, ProfileConfig, optimize
+from ckpt_planner.distributed import shard_problem
 
-from planner import InputError, Plan, ProfileConfig, optimize
-from planner.distributed import shard_problem
 from tests.models import LOCAL
 
 FAST = ProfileConfig(warmup=0, repeats=1)
@@ -90,9 +90,8 @@ def _worker(rank, port, jobs):
 
 
 def _train_case(rank, name, paths, plan_dict, case):
+    from ckpt_planner.apply import checkpoint_modules
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from planner.apply import checkpoint_modules
 
     kind, static = case
     model, inputs = LOCAL[name]()

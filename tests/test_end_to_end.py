@@ -4,8 +4,7 @@ import json
 
 import pytest
 import torch
-
-from planner import (
+from ckpt_planner import (
     InfeasibleBudgetError,
     Plan,
     PlanFileError,
@@ -16,6 +15,7 @@ from planner import (
     optimize,
     verify,
 )
+
 from tests.models import ALL, LOCAL
 
 FAST = ProfileConfig(warmup=0, repeats=1)
@@ -189,7 +189,7 @@ def test_example_input_array_convention():
     plan = optimize(model, activation_budget=0.95, solver="uniform", profile_config=FAST)
     assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
     del model.example_input_array
-    from planner import InputError
+    from ckpt_planner import InputError
 
     with pytest.raises(InputError, match="example_input_array"):
         optimize(model, solver="uniform")

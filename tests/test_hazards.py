@@ -17,16 +17,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
+from ckpt_planner.api import Planner
+from ckpt_planner.capture import capture
+from ckpt_planner.rewrite import compute_nodes, rewrite, safe_regions
+from ckpt_planner.solvers.basic import segment_runs
+from ckpt_planner.verify import default_loss
 from torch.utils import _pytree as pytree
 
-from planner.api import Planner
-from planner.capture import capture
-from planner.rewrite import compute_nodes, rewrite, safe_regions
-from planner.verify import default_loss
-from solvers.basic import segment_runs
-
-capture_mod = importlib.import_module("planner.capture")  # the package re-exports a function of that name
-rewrite_mod = importlib.import_module("planner.rewrite")
+capture_mod = importlib.import_module("ckpt_planner.capture")  # the package re-exports a function of that name
+rewrite_mod = importlib.import_module("ckpt_planner.rewrite")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 METHODS = ["symbolic_trace", "export"]
@@ -605,7 +604,7 @@ def test_custom_autograd_function_keeps_its_backward():
 
 
 def test_custom_autograd_function_refused_where_export_would_drop_it():
-    from planner import CaptureError
+    from ckpt_planner import CaptureError
 
     with pytest.raises(CaptureError, match=r"autograd\.Function .*_RoundSTE.*lose its backward"):
         capture(QuantMLP(loop=True), (torch.randn(8, 16),))

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
+from ckpt_planner import CaptureError, ProfileConfig, capture, profile
+from ckpt_planner.memory import storage_key
+from ckpt_planner.state import rng_preserved
 
-from planner import CaptureError, ProfileConfig, capture, profile
-from planner.memory import storage_key
-from planner.state import rng_preserved
 from tests.models import ALL, HF, LOCAL, DataDependent
 
 FAST = ProfileConfig(warmup=0, repeats=1)
@@ -99,7 +99,7 @@ def test_profile_records_modules_flops_and_times():
 
 
 def test_profile_error_names_the_node():
-    from planner.errors import ProfileError
+    from ckpt_planner.errors import ProfileError
 
     model, inputs = LOCAL["mlp"]()
     cap = capture(model, inputs)
@@ -110,7 +110,7 @@ def test_profile_error_names_the_node():
 
 
 def test_optimize_leaves_model_as_found():
-    from planner import optimize
+    from ckpt_planner import optimize
 
     model, inputs = LOCAL["cnn"]()
     model.eval()
@@ -129,8 +129,8 @@ def test_optimize_leaves_model_as_found():
 def test_solvers_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import solvers\n"
-        "from solvers import Node, Problem, Storage, simulate\n"
+        "import ckpt_planner.solvers as solvers\n"
+        "from ckpt_planner.solvers import Node, Problem, Storage, simulate\n"
         "p = Problem((Node('a', time=1.0), Node('b', time=1.0, inputs=(0,), reads=(0,))),"
         " (Storage(0, 8, 1, (1,)), Storage(1, 8, 1, (), True)))\n"
         "assert simulate(p).peak_bytes == 16\n"
@@ -162,8 +162,8 @@ def test_view_output_gradient_is_counted():
     # The backward of the mul makes a full [B, H, T, D] gradient for the view: 262 KB of the
     # 820 KB peak. A view makes no storage; its gradient, made by the mul's backward and handed
     # on as a view, is the projection's gradient, so the mul's backward makes that one.
-    from planner.verify import default_loss, measure_step
-    from solvers import simulate
+    from ckpt_planner.solvers import simulate
+    from ckpt_planner.verify import default_loss, measure_step
 
     torch.manual_seed(0)
     model, x = SplitHeads(), torch.randn(4, 64, 16)

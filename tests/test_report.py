@@ -10,13 +10,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
-from planner.cli import main
-from planner.plan import _fmt_bytes
+from ckpt_planner.cli import main
+from ckpt_planner.plan import _fmt_bytes
 
 FACTORY = '''
 import torch
-from planner.examples import MLPChain
+from ckpt_planner.examples import MLPChain
 
 
 def make():
@@ -139,8 +138,8 @@ def test_markdown_report(made, capsys):
 
 def test_report_of_a_plan_without_report_data(tmp_path):
     """A plan saved from the Python API has no timeline or curves: the page still renders, without plots."""
-    from planner import optimize
-    from planner.examples import MLPChain
+    from ckpt_planner import optimize
+    from ckpt_planner.examples import MLPChain
 
     model = MLPChain(d=16, blocks=2)
     import torch

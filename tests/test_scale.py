@@ -1,12 +1,11 @@
 """Planning on the meta device: bytes equal a real run, no real memory, clear infeasibility, AdamW state."""
 
+import ckpt_planner.solvers as solvers
 import pytest
 import torch
-
-import solvers
-from planner import ProfileConfig, capture, optimize, profile
-from planner.api import optimizer_state_bytes
-from planner.errors import InfeasibleBudgetError
+from ckpt_planner import ProfileConfig, capture, optimize, profile
+from ckpt_planner.api import optimizer_state_bytes
+from ckpt_planner.errors import InfeasibleBudgetError
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve
-from solvers.dp import DPPlanner
-from solvers.stages import _dp_stage_bounds, _module_cuts, _valley_cuts
+from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve
+from ckpt_planner.solvers.dp import DPPlanner
+from ckpt_planner.solvers.stages import _dp_stage_bounds, _module_cuts, _valley_cuts
 
 H = 100_003  # bytes of one hidden state [B, T, C]; odd, so that sizes share no unit that gives few slots
 

@@ -6,8 +6,16 @@ import subprocess
 import sys
 
 import pytest
-
-from solvers import SOLVERS, InfeasibleBudgetError, Node, Problem, Storage, UnknownSolverError, simulate, solve
+from ckpt_planner.solvers import (
+    SOLVERS,
+    InfeasibleBudgetError,
+    Node,
+    Problem,
+    Storage,
+    UnknownSolverError,
+    simulate,
+    solve,
+)
 
 SOLVER_NAMES = ["uniform", "greedy", "dp", "ilp", "auto", "bruteforce"]
 
@@ -126,8 +134,8 @@ def test_dp_reports_its_slots_and_reaches_log_memory():
 
 def test_solvers_import_no_torch():
     code = (
-        "import sys; sys.modules['torch'] = None; import solvers; "
-        "from solvers import dp, ilp, greedy, auto, sweep, bruteforce; "
+        "import sys; sys.modules['torch'] = None; import ckpt_planner.solvers as solvers; "
+        "from ckpt_planner.solvers import dp, ilp, greedy, auto, sweep, bruteforce; "
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))

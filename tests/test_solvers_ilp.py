@@ -19,13 +19,12 @@ import random
 from pathlib import Path
 
 import pytest
+from ckpt_planner.solvers import InfeasibleBudgetError, Problem, simulate, solve
+from ckpt_planner.solvers.bruteforce import bruteforce
+from ckpt_planner.solvers.costs import recompute_time, trim_flat_regions
+from ckpt_planner.solvers.ilp import _best_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from solvers import InfeasibleBudgetError, Problem, simulate, solve
-from solvers.bruteforce import bruteforce
-from solvers.costs import recompute_time, trim_flat_regions
-from solvers.ilp import _best_bound
 
 from .test_solvers_problems import dags
 
@@ -164,7 +163,8 @@ def test_smallest_budget_named_is_met_again_when_the_milp_times_out(monkeypatch)
     # budget, a time-limited MILP may find nothing at all; the least-peak plan it found before
     # (remembered, used as the warm start) must still be returned. Greedy and uniform both miss
     # this budget on this problem, so only that memory can meet it.
-    from solvers import ilp as ilp_module
+    from ckpt_planner.solvers import ilp as ilp_module
+
     from tests.test_solvers_dp import decoder
 
     problem = decoder(4)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from ckpt_planner.solvers import InfeasibleBudgetError, simulate, solve
+from ckpt_planner.solvers.bruteforce import bruteforce, enumerate_plans
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from solvers import InfeasibleBudgetError, simulate, solve
-from solvers.bruteforce import bruteforce, enumerate_plans
 
 from .test_solvers_problems import chains, dags, random_dag
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import random
 
+from ckpt_planner.solvers import Node, Problem, Storage, simulate
+from ckpt_planner.solvers.bruteforce import enumerate_plans
+from ckpt_planner.solvers.costs import grad_bytes_by_step, recompute_time, trim_flat_regions
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from solvers import Node, Problem, Storage, simulate
-from solvers.bruteforce import enumerate_plans
-from solvers.costs import grad_bytes_by_step, recompute_time, trim_flat_regions
 
 
 def random_chain(rng: random.Random, n: int, scale: int = 1) -> Problem:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import random
 
+from ckpt_planner.solvers import InfeasibleBudgetError, Solution, knee, simulate, solve, sweep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from solvers import InfeasibleBudgetError, Solution, knee, simulate, solve, sweep
 
 from .test_solvers_problems import chains, dags, random_chain
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from ckpt_planner.api import Planner
 
-from planner.api import Planner
 from tests.zoo_models import ZOO, build, run_case, solver_names
 
 FRACTIONS = (0.5, 0.25)

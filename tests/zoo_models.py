@@ -191,7 +191,7 @@ def build(name: str) -> tuple[nn.Module, object]:
 
 def solver_names() -> list[str]:
     """Every registered solver except `none` (the zoo checks plans that checkpoint)."""
-    import solvers
+    import ckpt_planner.solvers as solvers
 
     return [name for name in solvers.SOLVERS if name != "none"]
 
@@ -214,8 +214,8 @@ def run_case(
     with `skipped` set. `cache` (a dict kept across calls for one model) reuses the measurement
     of a plan with the same regions.
     """
-    from planner.errors import InfeasibleBudgetError
-    from planner.verify import verify
+    from ckpt_planner.errors import InfeasibleBudgetError
+    from ckpt_planner.verify import verify
 
     row: dict[str, Any] = {
         "solver": solver, "fraction": fraction, "feasible": True, "smallest_bytes": None,
@@ -268,11 +268,10 @@ def run_case(
 
 def _same_step(model: nn.Module, a: nn.Module, b: nn.Module, inputs: object) -> bool:
     """One training step of `a` and of `b` (both running `model`'s state) bitwise equal: outputs, grads, buffers."""
+    from ckpt_planner.capture import normalize_inputs
+    from ckpt_planner.state import ModelState
+    from ckpt_planner.verify import default_loss
     from torch.utils import _pytree as pytree
-
-    from planner.capture import normalize_inputs
-    from planner.state import ModelState
-    from planner.verify import default_loss
 
     args, kwargs = normalize_inputs(inputs, model)
     results = []
