@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError
+from .export_exact import match_eager_attention, recording_mask_skips
 from .state import ModelState
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
@@ -184,7 +185,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
         return run(*a, **k)
 
     try:
-        with ModelState(model).preserved(), _autograd_functions(note):
+        with ModelState(model).preserved(), _autograd_functions(note), recording_mask_skips() as skips:
             ep = torch.export.export(model, args, kwargs, strict=False)
         if seen:
             raise CaptureError(
@@ -194,6 +195,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
             )
         gm = ep.module()
         _rebind_state(gm, model)
+        match_eager_attention(gm, model, skips)  # the attention kernels eager runs (export_exact.py)
         return Capture(gm, "export", reason, args, kwargs, builtin)
     except CaptureError:
         raise

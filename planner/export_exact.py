@@ -1,0 +1,282 @@
+"""An exported transformers graph runs the attention kernels eager runs, so its gradients are eager's, bitwise.
+
+Why they differed. Eager transformers reads the values of the padding mask to decide how to call
+SDPA: when nothing is padded (and query length = key length for a causal mask), `masking_utils`
+drops the mask (`_ignore_causal_mask_sdpa`, `_ignore_bidirectional_mask_sdpa`), and
+`sdpa_attention_forward` then runs SDPA with `is_causal` and, for grouped-query attention
+(Llama, Qwen2, Mistral, ... with fewer key/value heads than query heads), `enable_gqa=True` on the
+key/value heads as they are. torch.export cannot read values, so those functions keep the mask, and
+the exported graph builds the boolean mask and repeats the key/value heads (`repeat_kv`:
+unsqueeze + expand + reshape) before SDPA. The forward agrees bitwise; the backward does not: the
+expand's backward sums the repeated heads' key/value gradients after SDPA's backward, where the GQA
+kernel accumulates them inside, in another order. On a tiny Llama the k_proj/v_proj gradients differ
+by ~1e-8 and every gradient upstream follows (embeddings, earlier layers, RMSNorm weights).
+Nothing else in the exported graphs of the test zoo differs from eager: each aten op runs the same
+kernel and autograd formula as eager (linear, rms_norm's pow/mean/rsqrt chain, the rotary
+embedding, SiLU, tied embeddings).
+
+The fix. `match_eager_attention` rewrites each such SDPA node of a transformers attention module
+into `eager_sdpa(query, key, value, eager_attention_mask(mask))` on the key/value heads before the
+repeat. At run time `eager_attention_mask` takes eager's decision on the actual mask: None when it
+is exactly the causal mask (every key position present) or allows everything, where eager's own
+skip was possible for that mask (recorded during export by `recording_mask_skips`: the skip
+functions are only called where the model allows the skip, and not for local attention at or
+beyond its window). `eager_sdpa` then calls transformers' own `use_gqa_in_sdpa` and `repeat_kv`,
+like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
+Under torch.compile, and on fake or meta tensors (planning without data), the mask is kept: the
+exported graph's own semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["MaskSkip", "recording_mask_skips", "match_eager_attention", "eager_attention_mask", "eager_sdpa"]
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# Where eager transformers reads mask values to drop the mask (all in transformers.masking_utils).
+_SKIP_FUNCTIONS = {
+    "causal": "_ignore_causal_mask_sdpa",
+    "bidirectional": "_ignore_bidirectional_mask_sdpa",
+    "packed": "find_packed_sequence_indices",
+}
+
+
+@dataclass(frozen=True)
+class MaskSkip:
+    """One call, during export, of a transformers function that lets eager drop the mask."""
+
+    kind: str
+    """'causal' or 'bidirectional'."""
+    kv_length: int
+    """Key length (tokens) the mask was built for."""
+    local_attention_size: int | None
+    """Sliding-window / chunk size (tokens); eager never drops a mask at or beyond it."""
+
+    @property
+    def possible(self) -> bool:
+        return self.local_attention_size is None or self.kv_length < self.local_attention_size
+
+
+@contextlib.contextmanager
+def recording_mask_skips() -> Iterator[list[MaskSkip]]:
+    """Within: every call of transformers' mask-skip functions is recorded in the yielded list.
+
+    Nothing is patched when transformers' masking module is not loaded (a model that is not a
+    transformers model never reaches it).
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    calls: list[MaskSkip] = []
+    originals = {kind: getattr(masking, name, None) for kind, name in _SKIP_FUNCTIONS.items()} if masking else {}
+    for kind, original in originals.items():
+        if original is not None:
+            setattr(masking, _SKIP_FUNCTIONS[kind], _recorder(kind, original, calls))
+    try:
+        yield calls
+    finally:
+        for kind, original in originals.items():
+            if original is not None:
+                setattr(masking, _SKIP_FUNCTIONS[kind], original)
+
+
+def _recorder(kind: str, original: Any, calls: list[MaskSkip]) -> Any:
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        with contextlib.suppress(AttributeError, TypeError, ValueError, RuntimeError):  # symbolic: not recorded
+            if kind == "packed":  # no attention mask: eager skips the causal mask unless the positions restart
+                calls.append(MaskSkip("causal", int(given["position_ids"].shape[-1]), None))
+            else:
+                local = given.get("local_attention_size")
+                calls.append(MaskSkip(kind, int(given["kv_length"]), None if local is None else int(local)))
+        return original(*args, **kwargs)
+
+    return record
+
+
+def _plain(t: Any) -> bool:
+    """A tensor with data to read (not fake, functional, meta, or traced by torch.compile)."""
+    return type(t) is torch.Tensor and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def eager_attention_mask(mask: torch.Tensor, *, causal: bool, bidirectional: bool) -> torch.Tensor | None:
+    """None where eager transformers drops this boolean mask [B, 1|H, Q, K]; else the mask.
+
+    causal: the causal skip is possible here (eager drops the mask when it is exactly the causal
+    mask, Q = K); bidirectional: eager drops a mask that allows every position.
+    """
+    if not _plain(mask):
+        return mask
+    q, k = mask.shape[-2], mask.shape[-1]
+    if bidirectional and bool(mask.all()):
+        return None
+    if causal and q == k:
+        lower = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril()
+        if torch.equal(mask, lower.expand_as(mask)):
+            return None
+    return mask
+
+
+def eager_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    n_rep: int,
+    dropout_p: float,
+    scale: float | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    """SDPA as transformers' `sdpa_attention_forward` calls it; key/value [B, H/n_rep, K, D], output [B, H, Q, D]."""
+    from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
+
+    extra = {}
+    if n_rep > 1:
+        if use_gqa_in_sdpa(attn_mask, key, value):
+            extra["enable_gqa"] = True
+        else:
+            key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    causal = query.shape[2] > 1 and attn_mask is None and is_causal
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale, **extra
+    )
+
+
+def _unrepeat(node: Any, n_rep: int) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The key/value heads before `repeat_kv` (unsqueeze(2) -> expand -> reshape), and the chain's nodes."""
+    if n_rep == 1:
+        return node, []
+    chain = []
+    for op in (torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default):
+        if not isinstance(node, fx.Node) or node.target is not op:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    expand = chain[1]
+    if chain[2].args[1] != 2 or len(expand.args[1]) != 5 or expand.args[1][2] != n_rep:
+        return None
+    return node, chain
+
+
+def _module_of(node: fx.Node, model: torch.nn.Module) -> torch.nn.Module | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    names = [a.name for a in _SDPA._schema.arguments]
+    found = dict(zip(names, node.args))
+    found.update(node.kwargs)
+    for a in _SDPA._schema.arguments:
+        if a.name not in found and a.has_default_value():
+            found[a.name] = a.default_value
+    return found
+
+
+def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: list[MaskSkip]) -> int:
+    """Rewrite the SDPA nodes of transformers attention whose mask eager may drop; return how many.
+
+    `model` is the module that was exported (to find each node's attention module), `skips` the
+    mask skips recorded while exporting it.
+    """
+    try:
+        from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa  # noqa: F401
+    except ImportError:
+        return 0
+    graph = gm.graph
+    decided: dict[tuple[fx.Node, bool, bool], fx.Node] = {}
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        a = _arguments(node)
+        mask, query = a["attn_mask"], a["query"]
+        module = _module_of(node, model)
+        if (
+            module is None
+            or not type(module).__module__.startswith("transformers.")
+            or not isinstance(mask, fx.Node)
+            or getattr(mask.meta.get("val"), "dtype", None) != torch.bool
+            or a["is_causal"]
+        ):
+            continue
+        n_rep = 1 if a["enable_gqa"] else int(getattr(module, "num_key_value_groups", 1) or 1)
+        keys, values = _unrepeat(a["key"], n_rep), _unrepeat(a["value"], n_rep)
+        q_len, kv_len = _length(query), _length(a["key"])
+        if keys is None or values is None or q_len is None or kv_len is None or q_len <= 1:
+            continue
+        window = _local_size(module)
+        in_window = window is None or kv_len < window
+        possible = {s.kind for s in skips if s.kv_length == kv_len and s.possible and in_window}
+        causal_ok, bidirectional_ok = "causal" in possible and q_len == kv_len, "bidirectional" in possible
+        if not (causal_ok or bidirectional_ok):
+            continue
+        key = (mask, causal_ok, bidirectional_ok)
+        if key not in decided:
+            with graph.inserting_after(mask):
+                d = graph.call_function(
+                    eager_attention_mask, (mask,), {"causal": causal_ok, "bidirectional": bidirectional_ok}
+                )
+            d.meta.update({k: v for k, v in mask.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            decided[key] = d
+        with graph.inserting_before(node):
+            new = graph.call_function(
+                eager_sdpa,
+                (query, keys[0], values[0], decided[key]),
+                {
+                    "n_rep": n_rep,
+                    "dropout_p": a["dropout_p"],
+                    "scale": a["scale"],
+                    "is_causal": bool(getattr(module, "is_causal", True)),
+                },
+            )
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "val")})
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for dead in keys[1] + values[1]:
+            if not dead.users:
+                graph.erase_node(dead)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _local_size(module: torch.nn.Module) -> int | None:
+    """The attention's sliding window or chunk (tokens): the module's own, else its config's; None for full attention."""
+    if "sliding_window" in vars(module):  # per layer (Qwen2, Gemma): None on full-attention layers
+        window = module.sliding_window
+    else:  # one for every layer (Mistral's sliding window, Llama4's chunks)
+        config = getattr(module, "config", None)
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    return window if isinstance(window, int) else None
+
+
+def _length(node: Any) -> int | None:
+    """Sequence length (dim -2) of a [B, H, T, D] node's example value; None if unknown or symbolic."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    try:
+        return int(val.shape[-2])
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
