@@ -1,0 +1,151 @@
+"""Exported transformers decoders (Qwen2, Llama: grouped-query attention) train bitwise like eager.
+
+The cause this guards (planner/export_exact.py): under torch.export transformers keeps the
+attention mask and repeats the key/value heads, where eager drops an unpadded mask and runs SDPA's
+own GQA kernel; the backward then sums key/value gradients in another order (~1e-8 apart). Each
+test runs one training step of the model and of the captured or planned module from the same state
+and compares outputs, every gradient and every buffer bitwise; one test switches the fix off and
+shows that the same comparison then fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from ckpt_planner.api import Planner
+from ckpt_planner.capture import capture
+from ckpt_planner.errors import InfeasibleBudgetError
+from ckpt_planner.export_exact import eager_attention_mask, eager_sdpa
+from ckpt_planner.profile import ProfileConfig
+from ckpt_planner.verify import default_loss, verify
+
+transformers = pytest.importorskip("transformers")
+capture_mod = importlib.import_module("ckpt_planner.capture")  # the package re-exports a function of that name
+
+SEQ = 64  # tokens; at 32 the two backward orders happen to round alike on CPU
+
+
+def _decoder(kind: str, **extra):
+    configs = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    config_cls, model_cls = configs[kind]
+    config = config_cls(
+        num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=128, use_cache=False, **extra,
+    )
+    torch.manual_seed(0)
+    return model_cls(config).train()
+
+
+def _inputs(mask: str = "ones") -> dict:
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (2, SEQ))
+    inputs = {"input_ids": ids, "labels": ids}
+    if mask == "ones":
+        inputs["attention_mask"] = torch.ones_like(ids)
+    elif mask == "padded":
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["attention_mask"][1, :10] = 0  # left padding in the second sequence
+    return inputs
+
+
+def _step(module, model, inputs):
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    out = module(**inputs)
+    default_loss(out).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return out.logits.detach().clone(), grads, [b.clone() for b in model.buffers()]
+
+
+def _max_grad_diff(model, module, inputs) -> tuple[bool, float]:
+    """(outputs and buffers bitwise equal, max |gradient difference|) between eager `model` and `module`."""
+    o1, g1, b1 = _step(model, model, inputs)
+    o2, g2, b2 = _step(module, model, inputs)
+    same = torch.equal(o1, o2) and all(torch.equal(x, y) for x, y in zip(b1, b2))
+    return same, max((g1[n] - g2[n]).abs().max().item() for n in g1)
+
+
+def _captured(model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(model, inputs, method="export").graph_module
+
+
+def _rewritten(gm) -> int:
+    return sum(n.target is eager_sdpa for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_planned_decoder_is_bitwise_with_and_without_checkpointing(kind: str) -> None:
+    model, inputs = _decoder(kind), _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs, profile_config=ProfileConfig(warmup=0, repeats=1))
+    assert planner.capture.method == "export" and _rewritten(planner.capture.graph_module) == 1
+    plans = [planner.plan(solver="none")]
+    try:
+        plans.append(planner.plan(solver="dp", activation_budget=0.5))
+    except InfeasibleBudgetError as e:
+        plans.append(planner.plan(solver="dp", budget_bytes=e.smallest_bytes))
+    assert not plans[0].regions and plans[1].regions
+    for plan in plans:
+        report = verify(model, plan, inputs, repeats=1)
+        assert report.outputs_equal and report.buffers_equal, plan.solver
+        assert report.grads_equal and report.max_abs_grad_diff == 0.0, (plan.solver, report.max_abs_grad_diff)
+
+
+def test_without_the_fix_the_exported_graph_differs(monkeypatch) -> None:
+    """The cause: with the exported attention path kept, gradients differ from eager (outputs do not)."""
+    model, inputs = _decoder("llama"), _inputs()
+    monkeypatch.setattr(capture_mod, "match_eager_attention", lambda gm, model, skips: 0)
+    gm = _captured(model, inputs)
+    same, diff = _max_grad_diff(model, gm, inputs)
+    assert same and 0 < diff < 1e-6, diff
+
+
+@pytest.mark.parametrize(
+    "captured_with,run_with",
+    [("ones", "padded"), ("padded", "ones"), ("none", "none")],
+)
+def test_mask_is_decided_per_batch(captured_with: str, run_with: str) -> None:
+    """A graph captured on one batch runs another like eager: padding keeps the mask, none drops it."""
+    model = _decoder("qwen2")
+    gm = _captured(model, _inputs(captured_with))
+    assert _rewritten(gm) == 1
+    same, diff = _max_grad_diff(model, gm, _inputs(run_with))
+    assert same and diff == 0.0, diff
+
+
+@pytest.mark.parametrize("window,rewritten", [(SEQ, 0), (2 * SEQ, 1)])
+def test_sliding_window_keeps_eager_mask(window: int, rewritten: int) -> None:
+    """At or beyond its window eager keeps the (here causal-looking) mask; the graph must keep it too."""
+    model = _decoder("mistral", sliding_window=window)
+    for mask in ("ones", "none"):
+        gm = _captured(model, _inputs(mask))
+        assert _rewritten(gm) == rewritten
+        same, diff = _max_grad_diff(model, gm, _inputs(mask))
+        assert same and diff == 0.0, (window, mask, diff)
+
+
+def test_eager_attention_mask_decision() -> None:
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(2, 1, 4, 4)
+    padded = causal.clone()
+    padded[1, :, :, 0] = False
+    full = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+    assert eager_attention_mask(causal, causal=True, bidirectional=False) is None
+    assert eager_attention_mask(causal, causal=False, bidirectional=True) is causal  # not skippable there
+    assert eager_attention_mask(padded, causal=True, bidirectional=False) is padded
+    assert eager_attention_mask(full, causal=True, bidirectional=True) is None
+    assert eager_attention_mask(full, causal=True, bidirectional=False) is full  # Q != K: no causal skip
+    meta = causal.to("meta")
+    assert eager_attention_mask(meta, causal=True, bidirectional=True) is meta  # no data: the mask stays
