@@ -243,8 +243,8 @@ def run_case(
         if cache is not None:
             cache[key] = report
     measured = report.measured_peak_bytes
-    # Where the plan is not bitwise equal to the model, tell apart checkpointing from capture: the
-    # captured graph (no checkpointing) may itself round differently from eager (export of Llama).
+    # Where the plan is not bitwise equal to the model, tell apart checkpointing from capture: a
+    # captured graph (no checkpointing) that itself rounds differently from eager is a capture defect.
     same_as_graph = report.exact or _same_step(model, plan.module, planner.capture.graph_module, inputs)
     row.update(
         budget_bytes=plan.budget_bytes,
