@@ -16,15 +16,16 @@ kernel and autograd formula as eager (linear, rms_norm's pow/mean/rsqrt chain, t
 embedding, SiLU, tied embeddings).
 
 The fix. `match_eager_attention` rewrites each such SDPA node of a transformers attention module
-into `eager_sdpa(query, key, value, eager_attention_mask(mask))` on the key/value heads before the
+into `eager_scaled_dot_product_attention(query, key, value, eager_attention_mask(mask))` on the key/value heads before the
 repeat. At run time `eager_attention_mask` takes eager's decision on the actual mask: None when it
 is exactly the causal mask (every key position present) or allows everything, where eager's own
 skip was possible for that mask (recorded during export by `recording_mask_skips`: the skip
 functions are only called where the model allows the skip, and not for local attention at or
-beyond its window). `eager_sdpa` then calls transformers' own `use_gqa_in_sdpa` and `repeat_kv`,
+beyond its window). `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and `repeat_kv`,
 like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
-Under torch.compile, and on fake or meta tensors (planning without data), the mask is kept: the
-exported graph's own semantics.
+Under torch.compile the mask is kept (the exported graph's own semantics: nothing data-dependent to
+break the graph). On fake or meta tensors (planning without data) the mask is dropped wherever eager
+could drop it: planned as for a batch without padding.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["MaskSkip", "recording_mask_skips", "match_eager_attention", "eager_attention_mask", "eager_sdpa"]
+__all__ = ["MaskSkip", "recording_mask_skips", "match_eager_attention", "eager_attention_mask", "eager_scaled_dot_product_attention"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # Where eager transformers reads mask values to drop the mask (all in transformers.masking_utils).
@@ -108,8 +109,8 @@ def _recorder(kind: str, original: Any, calls: list[MaskSkip]) -> Any:
 
 
 def _plain(t: Any) -> bool:
-    """A tensor with data to read (not fake, functional, meta, or traced by torch.compile)."""
-    return type(t) is torch.Tensor and t.device.type != "meta" and not torch.compiler.is_compiling()
+    """A tensor with values to read (not fake, functional or meta)."""
+    return type(t) is torch.Tensor and t.device.type != "meta"
 
 
 def eager_attention_mask(mask: torch.Tensor, *, causal: bool, bidirectional: bool) -> torch.Tensor | None:
@@ -118,19 +119,22 @@ def eager_attention_mask(mask: torch.Tensor, *, causal: bool, bidirectional: boo
     causal: the causal skip is possible here (eager drops the mask when it is exactly the causal
     mask, Q = K); bidirectional: eager drops a mask that allows every position.
     """
-    if not _plain(mask):
+    if torch.compiler.is_compiling():
         return mask
     q, k = mask.shape[-2], mask.shape[-1]
-    if bidirectional and bool(mask.all()):
+    # The same temporaries with and without values, so a plan made on the meta device counts them.
+    everything = mask.all() if bidirectional else None  # [] bool
+    lower = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_() if causal and q == k else None  # [Q, K]
+    if not _plain(mask):  # no values (meta, fake): as for a batch without padding, the usual training batch
+        return None if everything is not None or lower is not None else mask
+    if everything is not None and bool(everything):
         return None
-    if causal and q == k:
-        lower = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril()
-        if torch.equal(mask, lower.expand_as(mask)):
-            return None
+    if lower is not None and torch.equal(mask, lower.expand_as(mask)):
+        return None
     return mask
 
 
-def eager_sdpa(
+def eager_scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -241,7 +245,7 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
             decided[key] = d
         with graph.inserting_before(node):
             new = graph.call_function(
-                eager_sdpa,
+                eager_scaled_dot_product_attention,
                 (query, keys[0], values[0], decided[key]),
                 {
                     "n_rep": n_rep,

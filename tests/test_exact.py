@@ -18,7 +18,7 @@ import torch
 from ckpt_planner.api import Planner
 from ckpt_planner.capture import capture
 from ckpt_planner.errors import InfeasibleBudgetError
-from ckpt_planner.export_exact import eager_attention_mask, eager_sdpa
+from ckpt_planner.export_exact import eager_attention_mask, eager_scaled_dot_product_attention
 from ckpt_planner.profile import ProfileConfig
 from ckpt_planner.verify import default_loss, verify
 
@@ -82,7 +82,7 @@ def _captured(model, inputs):
 
 
 def _rewritten(gm) -> int:
-    return sum(n.target is eager_sdpa for n in gm.graph.nodes)
+    return sum(n.target is eager_scaled_dot_product_attention for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -147,5 +147,6 @@ def test_eager_attention_mask_decision() -> None:
     assert eager_attention_mask(padded, causal=True, bidirectional=False) is padded
     assert eager_attention_mask(full, causal=True, bidirectional=True) is None
     assert eager_attention_mask(full, causal=True, bidirectional=False) is full  # Q != K: no causal skip
-    meta = causal.to("meta")
-    assert eager_attention_mask(meta, causal=True, bidirectional=True) is meta  # no data: the mask stays
+    meta = causal.to("meta")  # no values: as for a batch without padding, where eager could drop it
+    assert eager_attention_mask(meta, causal=True, bidirectional=False) is None
+    assert eager_attention_mask(full.to("meta"), causal=True, bidirectional=False) is not None
