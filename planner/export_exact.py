@@ -16,13 +16,14 @@ kernel and autograd formula as eager (linear, rms_norm's pow/mean/rsqrt chain, t
 embedding, SiLU, tied embeddings).
 
 The fix. `match_eager_attention` rewrites each such SDPA node of a transformers attention module
-into `eager_scaled_dot_product_attention(query, key, value, eager_attention_mask(mask))` on the key/value heads before the
-repeat. At run time `eager_attention_mask` takes eager's decision on the actual mask: None when it
-is exactly the causal mask (every key position present) or allows everything, where eager's own
-skip was possible for that mask (recorded during export by `recording_mask_skips`: the skip
-functions are only called where the model allows the skip, and not for local attention at or
-beyond its window). `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and `repeat_kv`,
-like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
+into `eager_scaled_dot_product_attention(query, key, value, eager_attention_mask(mask))` on the
+key/value heads before the repeat. At run time `eager_attention_mask` takes eager's decision on the
+actual mask: None when it is exactly the causal mask (every key position present) or allows
+everything, where eager's own skip was possible for that mask (recorded during export by
+`recording_mask_skips`: the skip functions, and with no attention mask the packed-sequence check,
+are only called where the model allows the skip; never for local attention at or beyond its
+window). `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and
+`repeat_kv`, like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
 Under torch.compile the mask is kept (the exported graph's own semantics: nothing data-dependent to
 break the graph). On fake or meta tensors (planning without data) the mask is dropped wherever eager
 could drop it: planned as for a batch without padding.
@@ -40,7 +41,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-__all__ = ["MaskSkip", "recording_mask_skips", "match_eager_attention", "eager_attention_mask", "eager_scaled_dot_product_attention"]
+__all__ = [
+    "MaskSkip",
+    "recording_mask_skips",
+    "match_eager_attention",
+    "eager_attention_mask",
+    "eager_scaled_dot_product_attention",
+]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # Where eager transformers reads mask values to drop the mask (all in transformers.masking_utils).
