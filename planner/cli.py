@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -181,20 +182,50 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
+    """(loaded model, inputs, record); a .pt2 model's inputs are checked against its exported shapes."""
     from .loading import load_model_and_inputs
+    from .preflight import check_exported_inputs
 
-    return load_model_and_inputs(
+    loaded, inputs, record = load_model_and_inputs(
         args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
         trust_pickle=args.trust_pickle, recorded=recorded,
     )
+    if loaded.kind == "pt2":
+        check_exported_inputs(loaded.model, inputs, record.get("inputs"))
+    return loaded, inputs, record
 
 
-def _planner(args: argparse.Namespace, model, inputs, bar):
-    """Capture and profile once (planner.api.Planner)."""
+@contextlib.contextmanager
+def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
+    """A capture or profile failure that the inputs caused becomes an InputError naming them."""
+    from .errors import CaptureError, ProfileError
+    from .preflight import explain_failure
+
+    try:
+        yield
+    except (CaptureError, ProfileError) as e:
+        reference = loaded.example_inputs
+        if reference is None:
+            reference = getattr(loaded.model, "example_input_array", None)
+        better = explain_failure(loaded.model, inputs, reference, e, record.get("inputs"))
+        if better is None:
+            raise
+        raise better from None
+
+
+def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
     from .api import Planner
+    from .preflight import nothing_to_plan
 
-    with _stage(bar, "capturing and profiling"):
-        return Planner(model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer)
+    with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
+        planner = Planner(
+            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer
+        )
+    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
+    if empty is not None:
+        raise empty
+    return planner
 
 
 def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
-        planner = _planner(args, model, inputs, bar)
+        planner = _planner(args, loaded, inputs, record, bar)
         with _stage(bar, f"solving ({args.solver})"):
             plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")
@@ -282,8 +313,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     out = _check_output(args.output, "output folder", folder=True)
     plan = Plan.load(args.plan)
     recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
-    loaded, inputs, _ = _model_and_inputs(args, recorded)
-    plan.rebuild(loaded.model, inputs)
+    loaded, inputs, record = _model_and_inputs(args, recorded)
+    with _inputs_named(loaded, inputs, record):
+        plan.rebuild(loaded.model, inputs)
     write_applied(out, loaded=loaded, plan=plan, example_inputs=inputs)
     regions = sum(1 for _ in plan.regions)
     if args.json:
@@ -320,7 +352,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     with _bar(args, 1 + len(names), "bench") as bar:
-        planner = _planner(args, loaded.model, inputs, bar)
+        planner = _planner(args, loaded, inputs, record, bar)
         bar.set_description_str("solving, verifying, timing")
         result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
     result.update(device=args.device, source=record, skipped=skipped)
@@ -379,13 +411,23 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+@contextlib.contextmanager
+def _no_logs() -> Iterator[None]:
+    """torch logs tracebacks (fake tensors, export, dynamo) before errors we report in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed, 2 bad usage or input, 130 interrupted)."""
-    from .archive import quiet_torch_export
     from .errors import InputError, PlanFileError, PlanMismatchError, PlannerError
     from .solvers import InfeasibleBudgetError, UnknownSolverError
     from .solvers.bruteforce import PlanSpaceTooLargeError
@@ -398,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     # User code (factories, forwards) may print: its stdout goes to stderr, ours stays clean for --json.
     args.stdout = sys.stdout
-    with warnings.catch_warnings(), quiet_torch_export(), contextlib.redirect_stdout(sys.stderr):
+    with warnings.catch_warnings(), _no_logs(), contextlib.redirect_stdout(sys.stderr):
         # torch's deprecation and tracing notices are not the user's business on a command line
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
