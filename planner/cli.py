@@ -302,16 +302,26 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str]:
     return not problems, "; ".join(problems)
 
 
+def _load_plan(path: str):
+    """Plan.load, with a file nested too deeply for the JSON reader named as a bad plan file."""
+    from .errors import PlanFileError
+    from .plan import Plan
+
+    try:
+        return Plan.load(path)
+    except RecursionError:
+        raise PlanFileError(f"plan file {path!r} is nested too deeply to be a plan file") from None
+
+
 # -- apply ----------------------------------------------------------------------------------
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
     """Rebuild a plan on a model and write the checkpointed module as a folder that loads back."""
     from .loading import write_applied
-    from .plan import Plan
 
     out = _check_output(args.output, "output folder", folder=True)
-    plan = Plan.load(args.plan)
+    plan = _load_plan(args.plan)
     recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
     loaded, inputs, record = _model_and_inputs(args, recorded)
     with _inputs_named(loaded, inputs, record):
@@ -349,6 +359,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for n in skipped:
         _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(solvers.SOLVERS))})")
     names = [n for n in names if n in solvers.SOLVERS]
+    if not names:
+        raise InputError(f"solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(solvers.SOLVERS))}")
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     with _bar(args, 1 + len(names), "bench") as bar:
@@ -356,6 +368,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bar.set_description_str("solving, verifying, timing")
         result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
     result.update(device=args.device, source=record, skipped=skipped)
+    if not any(r["status"] == "ok" for r in result["rows"]):
+        reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
+        print(f"ckpt-planner: no solver produced a plan ({reasons}); no bench file written", file=sys.stderr)
+        return EXIT_FAIL
     if out is not None:
         _write_atomic(out, json.dumps(result, indent=2))
     if args.json:
@@ -382,11 +398,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
     from . import report as rep
     from .errors import InputError
-    from .plan import Plan
 
     out = _check_output(args.output, "output")
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
-    plan = Plan.load(args.plan).to_dict()
+    plan = _load_plan(args.plan).to_dict()
     bench = None
     if args.bench:
         path = Path(args.bench)
@@ -396,6 +411,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             bench = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(f"bench file {args.bench!r} is not valid JSON ({e})") from None
+        except RecursionError:
+            raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
         if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
             raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
     text = rep.render(plan, bench, fmt=fmt)
