@@ -354,13 +354,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError("device: bench runs the model; use --device cpu or cuda")
     names = [s.strip() for s in args.solvers.split(",") if s.strip()]
     if not names:
-        raise InputError("solvers: the list is empty")
+        raise InputError("--solvers: the list is empty; give comma-separated solver names")
     skipped = [n for n in names if n not in solvers.SOLVERS]
-    for n in skipped:
-        _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(solvers.SOLVERS))})")
     names = [n for n in names if n in solvers.SOLVERS]
     if not names:
-        raise InputError(f"solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(solvers.SOLVERS))}")
+        raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(solvers.SOLVERS))}")
+    for n in skipped:
+        _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(solvers.SOLVERS))})")
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     with _bar(args, 1 + len(names), "bench") as bar:

@@ -144,10 +144,10 @@ def explain_failure(
 
 def nothing_to_plan(model: torch.nn.Module, graph_module: Any, saved_bytes: int) -> NothingToPlanError | None:
     """A NothingToPlanError when one training step saves no activations for backward, else None."""
-    if saved_bytes > 0:
-        return None
     output = next((n for n in graph_module.graph.nodes if n.op == "output"), None)
     has_tensor = output is not None and any(isinstance(a, torch.fx.Node) for a in pytree.tree_leaves(output.args))
+    if has_tensor and saved_bytes > 0:
+        return None
     if not has_tensor:
         why = "its forward returns no tensor (None or constants), so there is no loss to differentiate"
     elif not any(p.requires_grad for p in model.parameters()):
