@@ -121,7 +121,8 @@ def unsafe_members(data: bytes) -> list[str]:
 @contextlib.contextmanager
 def quiet_torch_export() -> Iterator[None]:
     """torch.export logs tracebacks (a failed load, a failed export); keep our one-line errors clean."""
-    loggers = [logging.getLogger(n) for n in ("torch.export", "torch._export", "torch._dynamo", "torch.fx.experimental")]
+    names = ("torch.export", "torch._export", "torch._dynamo", "torch.fx.experimental", "torch._subclasses.fake_tensor")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL + 1)

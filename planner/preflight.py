@@ -74,11 +74,18 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
     """The error a forward on fake copies of the inputs raises, or None (nothing is computed)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+    from .archive import quiet_torch_export
     from .capture import normalize_inputs
+    from .state import ModelState
 
     args, kwargs = normalize_inputs(inputs)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        with (
+            quiet_torch_export(),
+            ModelState(model).preserved(),
+            FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            torch.no_grad(),
+        ):
             fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
             model(*fake_args, **fake_kwargs)
     except DataDependentOutputException:
@@ -92,10 +99,11 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
 
 def _real_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
     from .capture import normalize_inputs
+    from .state import ModelState
 
     args, kwargs = normalize_inputs(inputs)
     try:
-        with torch.no_grad():
+        with ModelState(model).preserved(), torch.no_grad():  # buffers, modes and RNG as they were
             model(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
         return e
