@@ -279,7 +279,11 @@ if __name__ == "__main__":
     from ckpt_planner.capture import normalize_inputs
     from ckpt_planner.verify import default_loss
 
-    applied = load(trust_pickle="--trust-pickle" in sys.argv, trust_code="--trust-code" in sys.argv)
+    try:
+        applied = load(trust_pickle="--trust-pickle" in sys.argv, trust_code="--trust-code" in sys.argv)
+    except ValueError as e:  # the planner's input and plan-file errors: one line, exit 2
+        print(f"load.py: {e}", file=sys.stderr)
+        sys.exit(2)
     args, kwargs = normalize_inputs(applied.example_inputs)
     loss = default_loss(applied.module(*args, **kwargs))
     loss.backward()

@@ -330,8 +330,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     regions = sum(1 for _ in plan.regions)
     if args.json:
         _out(args, json.dumps({"output": str(out), "regions": regions, "fingerprint": plan.fingerprint}))
-    flag = {"pickle": ", trust_pickle=True", "factory": ", trust_code=True"}.get(loaded.kind, "")
-    cli_flag = {"pickle": " --trust-pickle", "factory": " --trust-code"}.get(loaded.kind, "")
+    pickled = loaded.kind == "pickle" or (loaded.kind == "pt2" and args.trust_pickle)
+    flag = ", trust_code=True" if loaded.kind == "factory" else ", trust_pickle=True" if pickled else ""
+    cli_flag = " --trust-code" if loaded.kind == "factory" else " --trust-pickle" if pickled else ""
     _say(
         args,
         f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
