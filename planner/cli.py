@@ -398,7 +398,7 @@ def _tick(bar, name: str) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
     from . import report as rep
-    from .errors import InputError
+    from .errors import InputError, PlanFileError
 
     out = _check_output(args.output, "output")
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
@@ -416,7 +416,13 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
         if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
             raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
-    text = rep.render(plan, bench, fmt=fmt)
+    try:
+        text = rep.render(plan, bench, fmt=fmt)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+        if isinstance(e, (InputError, PlanFileError)):
+            raise
+        where = f"plan file {args.plan!r}" + (f" or bench file {args.bench!r}" if args.bench else "")
+        raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {_one_line(e)[:120]})") from None
     _write_atomic(out, text)
     if args.json:
         _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))

@@ -108,6 +108,8 @@ def _cases(work: Path, out: Path) -> list[tuple[str, list, int, list[str]]]:
     bad_spec = tampered_plan(work, "bad_spec", cli(inputs=["64,32:int64:0-1e400"]))
     timeline = tampered_plan(work, "timeline", lambda d: d["stats"].update(timeline={"plan": {"bytes": "abc"}}))
     curves = tampered_plan(work, "curves", lambda d: d["stats"]["curves"]["solvers"].update(dp=[{"peak_bytes": "x"}]))
+    budget_list = tampered_plan(work, "budget_list", lambda d: d.update(budget_bytes=[]))
+    notes_ints = tampered_plan(work, "notes_ints", lambda d: d.update(notes=[1]))
     (work / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (work / "deep_stats.json").write_text((work / "plan.json").read_text().rstrip()[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     return [
@@ -142,6 +144,8 @@ def _cases(work: Path, out: Path) -> list[tuple[str, list, int, list[str]]]:
         ("tampered spec", ["apply", f"{fac}:make", bad_spec, "-o", out / "a"], 2, ["0-1e400"]),
         ("malformed timeline", ["report", timeline, "-o", out / "r.html"], 2, ["stats.timeline", "malformed"]),
         ("malformed curves", ["report", curves, "-o", out / "r.html"], 2, ["stats.curves", "malformed"]),
+        ("malformed budget", ["report", budget_list, "-o", out / "r.html"], 2, ["budget_list.json", "malformed"]),
+        ("malformed notes", ["report", notes_ints, "-o", out / "r.md"], 2, ["notes_ints.json", "malformed"]),
         ("deep JSON", ["report", work / "deep.json", "-o", out / "r.html"], 2, ["deep.json", "nested too deeply"]),
         ("deep JSON in stats", ["report", work / "deep_stats.json", "-o", out / "r.md"], 2, ["nested too deeply"]),
     ]
