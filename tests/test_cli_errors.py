@@ -145,7 +145,7 @@ def _cases(work: Path, out: Path) -> list[tuple[str, list, int, list[str]]]:
         ("malformed timeline", ["report", timeline, "-o", out / "r.html"], 2, ["stats.timeline", "malformed"]),
         ("malformed curves", ["report", curves, "-o", out / "r.html"], 2, ["stats.curves", "malformed"]),
         ("malformed budget", ["report", budget_list, "-o", out / "r.html"], 2, ["budget_list.json", "malformed"]),
-        ("malformed notes", ["report", notes_ints, "-o", out / "r.md"], 2, ["notes_ints.json", "malformed"]),
+        ("malformed notes", ["report", notes_ints, "-o", out / "r.html"], 2, ["notes_ints.json", "malformed"]),
         ("deep JSON", ["report", work / "deep.json", "-o", out / "r.html"], 2, ["deep.json", "nested too deeply"]),
         ("deep JSON in stats", ["report", work / "deep_stats.json", "-o", out / "r.md"], 2, ["nested too deeply"]),
     ]
