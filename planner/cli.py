@@ -3,7 +3,8 @@
 Subcommands: plan, apply, bench, report, profile, demo. Every error is one
 line on stderr. Exit codes: 0 ok, 1 infeasible budget or failed
 verification, 2 bad usage or bad input (missing or unreadable file, bad
-shape, unknown solver, plan for another model, unwritable output). Outputs
+shape, unknown solver, plan for another model, unwritable output), 130
+interrupted (Ctrl-C). Argument parsing and validation live in cli_args.py. Outputs
 are written to a temporary file next to the target and renamed into place,
 so a failed command leaves no partial file.
 """
@@ -13,21 +14,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from .cli_args import build_parser
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        print(f"ckpt-planner: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _fmt(n: float) -> str:
@@ -48,10 +46,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan.baseline_measured_peak_bytes = report.baseline_measured_peak_bytes
     ok = report.exact and report.within_budget
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
+        _out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
     else:
-        print(plan.summary())
-        print(
+        _out(args, plan.summary())
+        _out(
+            args,
             f"verified: outputs {'equal' if report.outputs_equal else 'DIFFER'}, "
             f"gradients {'bitwise equal' if report.grads_equal else f'max diff {report.max_abs_grad_diff:.3g}'}, "
             f"buffers {'equal' if report.buffers_equal else 'DIFFER'}; "
@@ -92,15 +91,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "time_source": cost.time_source,
     }
     if args.json:
-        print(json.dumps({"totals": totals, "nodes": rows}, indent=2))
+        _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
         return EXIT_OK
-    print(f"{'node':<28} {'target':<34} {'module':<24} {'saved':>10} {'output':>10} {'time ms':>8}")
+    _out(args, f"{'node':<28} {'target':<34} {'module':<24} {'saved':>10} {'output':>10} {'time ms':>8}")
     for r in rows:
-        print(
+        _out(
+            args,
             f"{r['node'][:28]:<28} {r['target'][:34]:<34} {r['module'][:24]:<24} "
             f"{_fmt(r['saved_bytes']):>10} {_fmt(r['out_bytes']):>10} {r['time_s'] * 1e3:>8.3f}"
         )
-    print(
+    _out(
+            args,
         f"total: {totals['nodes']} nodes ({cap.method}), saved for backward {_fmt(totals['saved_bytes'])}, "
         f"forward {totals['forward_s'] * 1e3:.1f} ms ({cost.time_source}), {totals['flops'] / 1e9:.2f} GFLOP, "
         f"parameters and buffers {_fmt(totals['param_bytes'])}"
@@ -111,10 +112,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 # -- shared by plan / apply / bench / report ------------------------------------------------
 
 
+def _out(args: argparse.Namespace, text: str) -> None:
+    """The command's result on the real stdout (user code runs with stdout sent to stderr)."""
+    print(text, file=getattr(args, "stdout", None) or sys.stdout)
+
+
 def _say(args: argparse.Namespace, text: str) -> None:
     """Human-readable output: stdout, unless --quiet or --json."""
     if not args.quiet and not args.json:
-        print(text)
+        _out(args, text)
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
@@ -148,8 +154,9 @@ def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
     if not parent.is_dir():
         raise InputError(f"{what} {path!r}: directory {str(parent)!r} does not exist")
     if folder:
-        if p.exists() and not (p.is_dir() and (not any(p.iterdir()) or (p / "manifest.json").is_file())):
-            raise InputError(f"{what} {path!r} exists and is not an empty folder or an earlier apply output")
+        from .applied import check_output_folder
+
+        check_output_folder(p)
     elif p.is_dir():
         raise InputError(f"{what} {path!r} is a directory")
     try:
@@ -174,27 +181,51 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _default_solver() -> str:
-    from .solvers import SOLVERS
-
-    return "auto" if "auto" in SOLVERS else "uniform"
-
-
 def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
+    """(loaded model, inputs, record); a .pt2 model's inputs are checked against its exported shapes."""
     from .loading import load_model_and_inputs
+    from .preflight import check_exported_inputs
 
-    return load_model_and_inputs(
+    loaded, inputs, record = load_model_and_inputs(
         args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
         trust_pickle=args.trust_pickle, recorded=recorded,
     )
+    if loaded.kind == "pt2":
+        check_exported_inputs(loaded.model, inputs, record.get("inputs"))
+    return loaded, inputs, record
 
 
-def _planner(args: argparse.Namespace, model, inputs, bar):
-    """Capture and profile once (planner.api.Planner)."""
+@contextlib.contextmanager
+def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
+    """A capture or profile failure that the inputs caused becomes an InputError naming them."""
+    from .errors import CaptureError, ProfileError
+    from .preflight import explain_failure
+
+    try:
+        yield
+    except (CaptureError, ProfileError) as e:
+        reference = loaded.example_inputs
+        if reference is None:
+            reference = getattr(loaded.model, "example_input_array", None)
+        better = explain_failure(loaded.model, inputs, reference, e, record.get("inputs"))
+        if better is None:
+            raise
+        raise better from None
+
+
+def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
     from .api import Planner
+    from .preflight import nothing_to_plan
 
-    with _stage(bar, "capturing and profiling"):
-        return Planner(model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer)
+    with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
+        planner = Planner(
+            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer
+        )
+    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
+    if empty is not None:
+        raise empty
+    return planner
 
 
 def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
-        planner = _planner(args, model, inputs, bar)
+        planner = _planner(args, loaded, inputs, record, bar)
         with _stage(bar, f"solving ({args.solver})"):
             plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")
@@ -231,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if out is not None and ok:
         plan.save(out)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        _out(args, json.dumps(plan.to_dict(), indent=2))
     else:
         _say(args, plan.summary())
         if out is not None and ok:
@@ -271,29 +302,42 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str]:
     return not problems, "; ".join(problems)
 
 
+def _load_plan(path: str):
+    """Plan.load, with a file nested too deeply for the JSON reader named as a bad plan file."""
+    from .errors import PlanFileError
+    from .plan import Plan
+
+    try:
+        return Plan.load(path)
+    except RecursionError:
+        raise PlanFileError(f"plan file {path!r} is nested too deeply to be a plan file") from None
+
+
 # -- apply ----------------------------------------------------------------------------------
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
     """Rebuild a plan on a model and write the checkpointed module as a folder that loads back."""
     from .loading import write_applied
-    from .plan import Plan
 
     out = _check_output(args.output, "output folder", folder=True)
-    plan = Plan.load(args.plan)
+    plan = _load_plan(args.plan)
     recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
-    loaded, inputs, _ = _model_and_inputs(args, recorded)
-    plan.rebuild(loaded.model, inputs)
+    loaded, inputs, record = _model_and_inputs(args, recorded)
+    with _inputs_named(loaded, inputs, record):
+        plan.rebuild(loaded.model, inputs)
     write_applied(out, loaded=loaded, plan=plan, example_inputs=inputs)
     regions = sum(1 for _ in plan.regions)
     if args.json:
-        print(json.dumps({"output": str(out), "regions": regions, "fingerprint": plan.fingerprint}))
-    flag = ", trust_pickle=True" if loaded.kind == "pickle" else ""
+        _out(args, json.dumps({"output": str(out), "regions": regions, "fingerprint": plan.fingerprint}))
+    pickled = loaded.kind == "pickle" or (loaded.kind == "pt2" and args.trust_pickle)
+    flag = ", trust_code=True" if loaded.kind == "factory" else ", trust_pickle=True" if pickled else ""
+    cli_flag = " --trust-code" if loaded.kind == "factory" else " --trust-pickle" if pickled else ""
     _say(
         args,
         f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
         f"load it:   from ckpt_planner.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
-        f"or check:  python {out}/load.py{' --trust-pickle' if flag else ''}   (one training step)",
+        f"or check:  python {out}/load.py{cli_flag}   (one training step)",
     )
     return EXIT_OK
 
@@ -311,23 +355,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError("device: bench runs the model; use --device cpu or cuda")
     names = [s.strip() for s in args.solvers.split(",") if s.strip()]
     if not names:
-        raise InputError("solvers: the list is empty")
+        raise InputError("--solvers: the list is empty; give comma-separated solver names")
     skipped = [n for n in names if n not in solvers.SOLVERS]
+    names = [n for n in names if n in solvers.SOLVERS]
+    if not names:
+        raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(solvers.SOLVERS))}")
     for n in skipped:
         _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(solvers.SOLVERS))})")
-    names = [n for n in names if n in solvers.SOLVERS]
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     with _bar(args, 1 + len(names), "bench") as bar:
-        planner = _planner(args, loaded.model, inputs, bar)
+        planner = _planner(args, loaded, inputs, record, bar)
         bar.set_description_str("solving, verifying, timing")
         result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
     result.update(device=args.device, source=record, skipped=skipped)
+    if not any(r["status"] == "ok" for r in result["rows"]):
+        reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
+        print(f"ckpt-planner: no solver produced a plan ({reasons}); no bench file written", file=sys.stderr)
+        return EXIT_FAIL
     if out is not None:
         _write_atomic(out, json.dumps(result, indent=2))
     if args.json:
         rows = [{k: v for k, v in r.items() if k != "timeline"} for r in result["rows"]]
-        print(json.dumps({**result, "rows": rows}, indent=2))
+        _out(args, json.dumps({**result, "rows": rows}, indent=2))
     else:
         _say(args, rep.bench_table(result) + (f"\nbench written to {out}" if out else ""))
     bad = [r["solver"] for r in result["rows"] if r["status"] == "ok" and not (r["exact"] and r["within_budget"])]
@@ -348,12 +398,11 @@ def _tick(bar, name: str) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
     from . import report as rep
-    from .errors import InputError
-    from .plan import Plan
+    from .errors import InputError, PlanFileError
 
     out = _check_output(args.output, "output")
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
-    plan = Plan.load(args.plan).to_dict()
+    plan = _load_plan(args.plan).to_dict()
     bench = None
     if args.bench:
         path = Path(args.bench)
@@ -363,137 +412,49 @@ def cmd_report(args: argparse.Namespace) -> int:
             bench = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(f"bench file {args.bench!r} is not valid JSON ({e})") from None
+        except RecursionError:
+            raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
         if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
             raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
-    text = rep.render(plan, bench, fmt=fmt)
+    try:
+        text = rep.render(plan, bench, fmt=fmt)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+        if isinstance(e, (InputError, PlanFileError)):
+            raise
+        where = f"plan file {args.plan!r}" + (f" or bench file {args.bench!r}" if args.bench else "")
+        raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {_one_line(e)[:120]})") from None
     _write_atomic(out, text)
     if args.json:
-        print(json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
+        _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
     _say(args, f"report written to {out}")
     return EXIT_OK
 
 
-def _model_options(p: argparse.ArgumentParser, *, budget: bool = True) -> None:
-    p.add_argument("model", help="MODEL: file.pt2 (torch.export.save), path/file.py:factory, package.module:factory, "
-                   "or a torch.save'd module (needs --trust-pickle)")
-    p.add_argument("--input", action="append", metavar="[NAME=]SHAPE[:DTYPE[:LOW-HIGH]]",
-                   help="a random example input, repeatable, in argument order (NAME= makes it a keyword "
-                   "argument); e.g. 8,3,224,224 or 8,3,224,224:float16 or 2,128:int64:0-50257 (integers in "
-                   "[LOW, HIGH), default 0-2; floats standard normal, or uniform in [LOW, HIGH))")
-    p.add_argument("--inputs", metavar="FILE", help="a torch.save'd tensor, tuple or dict of tensors (weights_only=True)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --input tensors (default 0)")
-    p.add_argument("--trust-pickle", action="store_true", help="allow a pickled (torch.save) model: loading it runs its code")
-    p.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
-                   help="where to profile (meta: fake tensors, nothing runs)")
-    if budget:
-        g = p.add_mutually_exclusive_group()
-        g.add_argument("--budget-gb", type=float, help="peak memory of one training step, in GB (1e9 bytes)")
-        g.add_argument("--budget-bytes", type=int, help="the same, in bytes")
-        g.add_argument("--activation-budget", type=float, metavar="F",
-                       help="fixed memory plus F (0 < F <= 1) of the activation memory without checkpointing")
-        p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"], default="none",
-                       help="count this optimizer's state in the budget (default none)")
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, no human-readable output")
-
-
-_EPILOGS = {
-    "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 --solver dp --verify -o plan.json\n"
-            "  ckpt-planner plan models.py:make_gpt --input 2,128:int64:0-50257 --activation-budget 0.5 -o plan.json",
-    "apply": "example:\n  ckpt-planner apply model.pt2 plan.json -o checkpointed/\n"
-             "  python checkpointed/load.py     # loads it back and runs one training step",
-    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input 2,128:int64:0-50257 --solvers none,uniform,dp,ilp "
-             "--budget-gb 2 -o bench.json",
-    "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
-              "  ckpt-planner report plan.json --format md -o report.md",
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plan": cmd_plan, "apply": cmd_apply, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo, "profile": cmd_profile,
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .solvers import SOLVERS
+@contextlib.contextmanager
+def _no_logs() -> Iterator[None]:
+    """torch logs tracebacks (fake tensors, export, dynamo) before errors we report in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
-    parser = _Parser(
-        prog="ckpt-planner",
-        description="Automatic activation-checkpoint placement for PyTorch.",
-        epilog="exit codes: 0 ok, 1 infeasible budget or failed verification, 2 bad usage or input.\n"
-               "example: ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 -o plan.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    raw = argparse.RawDescriptionHelpFormatter
 
-    plan = sub.add_parser("plan", help="plan checkpointing for a saved model, write plan.json",
-                          epilog=_EPILOGS["plan"], formatter_class=raw)
-    _model_options(plan)
-    plan.add_argument("--solver", default=_default_solver(), help=f"one of {', '.join(sorted(SOLVERS))}")
-    plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
-    plan.add_argument("--curve-points", type=int, default=8,
-                      help="budgets per solver for the report's memory/overhead curve (0: none; default 8)")
-    plan.add_argument("--curve-solvers", help="comma-separated solvers for that curve (default: all registered "
-                      "but none, auto and bruteforce)")
-    plan.add_argument("-o", "--output", help="plan file to write (JSON)")
-    _common(plan)
-    plan.set_defaults(func=cmd_plan)
-
-    apply = sub.add_parser("apply", help="write the checkpointed module of a plan as a folder that loads back",
-                           epilog=_EPILOGS["apply"], formatter_class=raw)
-    _model_options(apply, budget=False)
-    apply.add_argument("plan", help="plan file from `ckpt-planner plan`")
-    apply.add_argument("-o", "--output", required=True, help="output folder")
-    _common(apply)
-    apply.set_defaults(func=cmd_apply)
-
-    bench = sub.add_parser("bench", help="optimize + verify with several solvers side by side",
-                           epilog=_EPILOGS["bench"], formatter_class=raw)
-    _model_options(bench)
-    bench.add_argument("--solvers", default="none,uniform,dp,ilp", help="comma-separated; unregistered ones are skipped")
-    bench.add_argument("-o", "--output", help="bench file to write (JSON, for `report --bench`)")
-    _common(bench)
-    bench.set_defaults(func=cmd_bench)
-
-    report = sub.add_parser("report", help="HTML or Markdown report of a plan, with plots",
-                            epilog=_EPILOGS["report"], formatter_class=raw)
-    report.add_argument("plan", help="plan file from `ckpt-planner plan`")
-    report.add_argument("--bench", help="bench file from `ckpt-planner bench -o`")
-    report.add_argument("--format", choices=["html", "md"], help="default: from the output's suffix, else html")
-    report.add_argument("-o", "--output", required=True, help="report file to write")
-    _common(report)
-    report.set_defaults(func=cmd_report)
-
-    demo = sub.add_parser(
-        "demo",
-        help="plan, verify and summarise a built-in GPT-style model",
-        description="Plan the built-in GPT-style model at half its activation memory, verify it, print the summary.",
-        epilog="example: ckpt-planner demo --fraction 0.5",
-    )
-    demo.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of activation memory")
-    demo.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--seq", type=int, default=128)
-    demo.add_argument("--layers", type=int, default=4)
-    demo.add_argument("--json", action="store_true", help="machine-readable output")
-    demo.add_argument("--quiet", action="store_true", help="accepted for symmetry; the summary is the output")
-    demo.set_defaults(func=cmd_demo)
-
-    prof = sub.add_parser(
-        "profile",
-        help="per-node cost table of a model",
-        epilog="example: ckpt-planner profile --example cnn --json",
-    )
-    prof.add_argument("--example", default="gpt", choices=["gpt", "mlp", "cnn"], help="built-in example model")
-    prof.add_argument("--meta", action="store_true", help="fake tensors: exact bytes, FLOP-based time")
-    prof.add_argument("--json", action="store_true")
-    prof.add_argument("--quiet", action="store_true", help="accepted for symmetry; the table is the output")
-    prof.set_defaults(func=cmd_profile)
-    return parser
+def _one_line(e: BaseException) -> str:
+    return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failed, 2 bad usage or input, 130 interrupted)."""
     from .errors import InputError, PlanFileError, PlanMismatchError, PlannerError
     from .solvers import InfeasibleBudgetError, UnknownSolverError
+    from .solvers.bruteforce import PlanSpaceTooLargeError
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep errors to one line when a factory builds an HF model
     parser = build_parser()
@@ -501,21 +462,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error already printed (2)
         return int(e.code or 0)
-    with warnings.catch_warnings():
+    # User code (factories, forwards) may print: its stdout goes to stderr, ours stays clean for --json.
+    args.stdout = sys.stdout
+    with warnings.catch_warnings(), _no_logs(), contextlib.redirect_stdout(sys.stderr):
         # torch's deprecation and tracing notices are not the user's business on a command line
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
         try:
-            return args.func(args)
+            return _COMMANDS[args.command](args)
+        except KeyboardInterrupt:
+            print("ckpt-planner: interrupted; nothing was written", file=sys.stderr)
+            return EXIT_INTERRUPTED
         except InfeasibleBudgetError as e:
-            print(f"ckpt-planner: {e}", file=sys.stderr)
+            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
             return EXIT_FAIL
-        except (InputError, PlanFileError, PlanMismatchError, UnknownSolverError) as e:
-            print(f"ckpt-planner: {e}", file=sys.stderr)
+        except (InputError, PlanFileError, PlanMismatchError, UnknownSolverError, PlanSpaceTooLargeError) as e:
+            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        except RecursionError:
+            print("ckpt-planner: an input file is nested too deeply to read", file=sys.stderr)
             return EXIT_USAGE
         except (PlannerError, ImportError, OSError) as e:
-            print(f"ckpt-planner: {type(e).__name__}: {e}" if isinstance(e, OSError) else f"ckpt-planner: {e}", file=sys.stderr)
+            text = f"{type(e).__name__}: {_one_line(e)}" if isinstance(e, OSError) else _one_line(e)
+            print(f"ckpt-planner: {text}", file=sys.stderr)
             return EXIT_FAIL
 
 

@@ -7,6 +7,7 @@ from .solvers.registry import InfeasibleBudgetError, UnknownSolverError
 __all__ = [
     "PlannerError",
     "InputError",
+    "NothingToPlanError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -22,6 +23,10 @@ class PlannerError(RuntimeError):
 
 class InputError(ValueError):
     """A bad argument or input (shape, dtype, budget, path); the message names it."""
+
+
+class NothingToPlanError(InputError):
+    """A training step of this model saves nothing for backward (frozen, or no tensor output)."""
 
 
 class CaptureError(PlannerError):

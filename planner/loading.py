@@ -28,13 +28,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import json
-import logging
+import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .applied import APPLIED_FORMAT, Applied, load_applied, write_applied  # the apply folder; importable from here
+from .archive import load_pt2_safely
 from .errors import InputError
 
 __all__ = [
@@ -60,8 +59,6 @@ __all__ = [
     "load_applied",
 ]
 
-APPLIED_FORMAT = "ckpt-planner/applied"
-APPLIED_VERSION = 1
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -110,6 +107,8 @@ def parse_input_spec(text: str) -> InputSpec:
             ) from None
         if any(s < 0 for s in shape):
             raise InputError(f"input {text!r}: shape {shape_text!r} has a negative size")
+        if any(s >= 2**63 for s in shape):
+            raise InputError(f"input {text!r}: shape {shape_text!r} has a size beyond 2**63 - 1")
     dtype = torch.float32
     if len(parts) > 1 and parts[1].strip():
         key = parts[1].strip().removeprefix("torch.")
@@ -127,7 +126,34 @@ def parse_input_spec(text: str) -> InputSpec:
             raise InputError(f"input {text!r}: range {parts[2]!r} is not LOW-HIGH with LOW < HIGH (e.g. 0-50257)")
         if dtype == torch.bool:
             raise InputError(f"input {text!r}: a value range does not apply to bool")
+        _check_range(text, dtype, low, high)
     return InputSpec(shape=shape, dtype=dtype, low=low, high=high, name=name, text=text)
+
+
+def _check_range(text: str, dtype: torch.dtype, low: float, high: float) -> None:
+    """LOW-HIGH must be finite and representable in the dtype; integer ranges must hold an integer."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise InputError(f"input {text!r}: range {low:g}-{high:g} is not finite; give finite LOW-HIGH")
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        if low < info.min or high > info.max:
+            raise InputError(f"input {text!r}: range {low:g}-{high:g} is outside {dtype} ([{info.min:g}, {info.max:g}])")
+        return
+    if low != int(low) or high != int(high):
+        raise InputError(f"input {text!r}: an integer dtype needs integer LOW-HIGH (e.g. 0-50257), got {low:g}-{high:g}")
+    info = torch.iinfo(dtype)
+    if low < info.min or high > info.max + 1:
+        raise InputError(
+            f"input {text!r}: range {low:g}-{high:g} is outside {dtype} (LOW >= {info.min}, HIGH <= {info.max + 1})"
+        )
+
+
+def _memory_bytes() -> int | None:
+    """Physical memory of this machine in bytes, or None when unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _make_tensor(spec: InputSpec, generator: torch.Generator) -> torch.Tensor:
@@ -143,7 +169,21 @@ def _make_tensor(spec: InputSpec, generator: torch.Generator) -> torch.Tensor:
 
 
 def make_inputs(specs: Sequence[InputSpec], *, seed: int = 0) -> tuple | dict:
-    """Random example inputs: a tuple of positional args, or a dict when every spec is named."""
+    """Random example inputs: a tuple of positional args, or a dict when every spec is named.
+
+    Sizes are checked before anything is allocated: inputs larger than this
+    machine's memory raise InputError naming the input.
+    """
+    if not 0 <= seed < 2**64:
+        raise InputError(f"seed: {seed} is outside 0 .. 2**64 - 1")
+    limit, total = _memory_bytes(), 0
+    for s in specs:
+        total += math.prod(s.shape) * (1 if s.dtype == torch.bool else s.dtype.itemsize)
+        if limit is not None and total > limit:
+            raise InputError(
+                f"input {s.text!r}: the inputs need {total / 1e9:.3g} GB, more than this machine's memory "
+                f"({limit / 1e9:.3g} GB); give smaller shapes"
+            )
     g = torch.Generator().manual_seed(seed)
     tensors = [(s.name, _make_tensor(s, g)) for s in specs]
     named = [n for n, _ in tensors if n is not None]
@@ -188,8 +228,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def model_kind(spec: str) -> str:
-    """'pt2', 'factory' or 'pickle' for a model spec (no file is read)."""
-    if spec.endswith(".pt2"):
+    """'pt2', 'factory' or 'pickle' for a model spec.
+
+    An existing file is a file even when its name looks like ``module:factory``
+    (``checkpoint:latest``): it is never imported as code.
+    """
+    if spec.endswith(".pt2") or (Path(spec).is_file() and zipfile.is_zipfile(spec) and _is_pt2_zip(spec)):
+        return "pt2"
+    if Path(spec).is_file():
+        return "pickle"
         return "pt2"
     head, sep, tail = spec.rpartition(":")
     if sep and tail.isidentifier() and (head.endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", head)):
@@ -197,26 +244,14 @@ def model_kind(spec: str) -> str:
     return "pickle"
 
 
-@contextlib.contextmanager
-def _quiet_torch_export() -> Iterator[None]:
-    """torch.export.load logs a traceback before it retries a file; keep our one-line errors clean."""
-    logger = logging.getLogger("torch.export")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+def _is_pt2_zip(path: str) -> bool:
+    with contextlib.suppress(OSError, zipfile.BadZipFile), zipfile.ZipFile(path) as z:
+        return any(n == "archive_format" or n.endswith("/archive_format") for n in z.namelist())
+    return False
 
 
-def _load_pt2(path: Path) -> tuple[torch.nn.Module, Any]:
-    if not zipfile.is_zipfile(path):
-        raise InputError(f"model file {str(path)!r} is not a torch.export archive (.pt2)")
-    try:
-        with _quiet_torch_export():
-            ep = torch.export.load(path)
-    except Exception as e:  # noqa: BLE001 - corrupt or foreign archive
-        raise InputError(f"model file {str(path)!r} cannot be loaded with torch.export.load: {_first_line(e)}") from None
+def _load_pt2(path: Path, *, trust_pickle: bool = False) -> tuple[torch.nn.Module, Any]:
+    ep = load_pt2_safely(path, trust_pickle=trust_pickle)
     module = ep.module()
     # ep.module() refuses train()/eval(); the graph keeps the mode it was exported in, so plain
     # flag-setting (nn.Module's own methods) is what capture and verify need.
@@ -276,9 +311,12 @@ def _load_factory(spec: str) -> tuple[torch.nn.Module, Any, str]:
     return made, example, resolved
 
 
-def load_model(spec: str, *, trust_pickle: bool = False) -> LoadedModel:
-    """Load the model a spec names (see the module docstring). Errors are InputError naming the spec."""
-    kind = model_kind(spec)
+def load_model(spec: str, *, trust_pickle: bool = False, kind: str | None = None) -> LoadedModel:
+    """Load the model a spec names (see the module docstring). Errors are InputError naming the spec.
+
+    `kind` ('pt2', 'factory' or 'pickle') overrides what `model_kind` infers from the spec.
+    """
+    kind = kind or model_kind(spec)
     if kind == "factory":
         model, example, resolved = _load_factory(spec)
         return LoadedModel(model, example, kind, resolved)
@@ -286,7 +324,7 @@ def load_model(spec: str, *, trust_pickle: bool = False) -> LoadedModel:
     if not path.is_file():
         raise InputError(f"model file {spec!r} does not exist")
     if kind == "pt2":
-        model, example = _load_pt2(path)
+        model, example = _load_pt2(path, trust_pickle=trust_pickle)
         return LoadedModel(model, example, kind, str(path.resolve()))
     if not trust_pickle:
         raise InputError(
@@ -331,11 +369,16 @@ def load_model_and_inputs(
         inputs, record["inputs"] = make_inputs(specs, seed=seed), [s.text for s in specs]
     elif inputs_file:
         inputs, record["inputs_file"] = load_inputs_file(inputs_file), str(Path(inputs_file).resolve())
-    elif isinstance(recorded.get("inputs"), list):
-        specs = [parse_input_spec(s) for s in recorded["inputs"]]
-        inputs, record["inputs"] = make_inputs(specs, seed=int(recorded.get("seed", 0))), list(recorded["inputs"])
-    elif recorded.get("inputs_file"):
-        inputs, record["inputs_file"] = load_inputs_file(recorded["inputs_file"]), recorded["inputs_file"]
+    elif recorded.get("inputs") is not None:
+        texts, rseed = _recorded_specs(recorded)
+        specs = [parse_input_spec(s) for s in texts]
+        inputs, record["inputs"], record["seed"] = make_inputs(specs, seed=rseed), texts, rseed
+    elif recorded.get("inputs_file") is not None:
+        # A plan file is data from elsewhere: a path in it is never opened on its say-so.
+        raise InputError(
+            f"inputs: the plan was made with inputs from the file {str(recorded['inputs_file'])[:200]!r}, "
+            "which is not read from a plan file; pass --inputs FILE (or --input SHAPE) to use it"
+        )
     elif loaded.example_inputs is not None:
         inputs, record["inputs_source"] = loaded.example_inputs, "the model file or factory"
     elif getattr(loaded.model, "example_input_array", None) is not None:
@@ -348,145 +391,17 @@ def load_model_and_inputs(
     return loaded, inputs, record
 
 
+def _recorded_specs(recorded: dict[str, Any]) -> tuple[list[str], int]:
+    """The `--input` specs and seed a plan file records (stats.cli), checked: it may have been edited."""
+    texts, seed = recorded.get("inputs"), recorded.get("seed", 0)
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and len(t) < 1000 for t in texts):
+        raise InputError("plan file: stats.cli.inputs is not a list of input specs; pass --input SHAPE[:DTYPE] instead")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise InputError(f"plan file: stats.cli.seed {str(seed)[:40]!r} is not an integer in 0 .. 2**64 - 1")
+    return list(texts), seed
+
+
 def _to(value: Any, device: str) -> Any:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
-
-
-# -- apply output -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Applied:
-    """A checkpointed module loaded back from an `apply` folder."""
-
-    module: torch.nn.Module
-    """The checkpointed module; trains like the original (same parameters)."""
-    model: torch.nn.Module
-    """The original model it was built from, with the saved state loaded."""
-    plan: Any
-    """The Plan (ckpt_planner.plan.Plan)."""
-    example_inputs: Any
-    """The example inputs the plan was made for."""
-
-
-def write_applied(out: str | os.PathLike, *, loaded: LoadedModel, plan: Any, example_inputs: Any) -> Path:
-    """Write an `apply` folder atomically: manifest, plan, state dict, inputs, generated code, load.py.
-
-    `plan.module` must be built. An existing `apply` folder at `out` is replaced; any other
-    existing non-empty path is refused.
-    """
-    out = Path(out)
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "manifest.json").is_file())):
-        raise InputError(f"output {str(out)!r} exists and is not an empty folder or an earlier apply output")
-    parent = out.parent if str(out.parent) else Path(".")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=parent))
-    try:
-        model_spec = loaded.spec
-        if loaded.kind in ("pt2", "pickle"):  # copy the file: the folder is self-contained
-            local = "model.pt2" if loaded.kind == "pt2" else "model.pt"
-            shutil.copyfile(loaded.spec, tmp / local)
-            model_spec = local
-        module = plan.module
-        torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, tmp / "state_dict.pt")
-        torch.save(_to(example_inputs, "cpu"), tmp / "inputs.pt")
-        plan.save(tmp / "plan.json")
-        code = tmp / "code"
-        code.mkdir()
-        (code / "module.py").write_text(module.code)
-        for name, sub in module.named_modules():
-            if type(sub).__name__ == "CheckpointRegion":
-                (code / f"{name}.py").write_text(sub.code)
-        manifest = {
-            "format": APPLIED_FORMAT,
-            "version": APPLIED_VERSION,
-            "model": model_spec,
-            "model_kind": loaded.kind,
-            "cwd": os.getcwd(),  # where a package.module:factory spec was importable from
-            "fingerprint": plan.fingerprint,
-            "files": {"plan": "plan.json", "state_dict": "state_dict.pt", "inputs": "inputs.pt", "code": "code/"},
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        (tmp / "load.py").write_text(_LOAD_PY)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=parent))
-            os.replace(out, old / "prev")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def load_applied(path: str | os.PathLike, *, trust_pickle: bool = False) -> Applied:
-    """Rebuild the checkpointed module from an `apply` folder.
-
-    The model is loaded from its spec, its saved state dict is loaded into it
-    (weights_only=True), and the plan is rebuilt on it (Plan.rebuild checks the
-    graph's fingerprint). A folder holding a pickled model needs trust_pickle=True.
-    """
-    from .plan import Plan
-
-    folder = Path(path)
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        raise InputError(f"apply folder {str(folder)!r} has no manifest.json")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"apply folder {str(folder)!r}: manifest.json is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != APPLIED_FORMAT:
-        raise InputError(f"apply folder {str(folder)!r}: manifest.json is not a ckpt-planner apply manifest")
-    spec = str(manifest["model"])
-    if manifest.get("model_kind") in ("pt2", "pickle"):
-        spec = str(folder / spec)
-    with _on_path(str(manifest.get("cwd", "."))):
-        loaded = load_model(spec, trust_pickle=trust_pickle)
-    try:
-        state = torch.load(folder / "state_dict.pt", map_location="cpu", weights_only=True)
-        inputs = torch.load(folder / "inputs.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise InputError(f"apply folder {str(folder)!r}: cannot read its tensors: {_first_line(e)}") from None
-    model = loaded.model
-    model.load_state_dict(state)
-    plan = Plan.load(folder / "plan.json")
-    module = plan.rebuild(model, inputs)
-    return Applied(module=module, model=model, plan=plan, example_inputs=inputs)
-
-
-_LOAD_PY = '''"""Load the checkpointed module in this folder (written by `ckpt-planner apply`).
-
-    from load import load            # with this folder on sys.path
-    module = load().module           # trains like the original model, same parameters
-    python load.py                   # one training step, prints the loss
-"""
-
-from pathlib import Path
-
-from ckpt_planner.loading import load_applied
-
-HERE = Path(__file__).resolve().parent
-
-
-def load(trust_pickle: bool = False):
-    """The Applied record: .module (checkpointed), .model, .plan, .example_inputs."""
-    return load_applied(HERE, trust_pickle=trust_pickle)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from ckpt_planner.capture import normalize_inputs
-    from ckpt_planner.verify import default_loss
-
-    applied = load(trust_pickle="--trust-pickle" in sys.argv)
-    args, kwargs = normalize_inputs(applied.example_inputs)
-    loss = default_loss(applied.module(*args, **kwargs))
-    loss.backward()
-    print(f"loaded {type(applied.model).__name__} with {len(applied.plan.regions)} checkpointed regions; "
-          f"one training step: loss {loss.item():.6g}")
-'''

@@ -15,10 +15,12 @@ embedded as base64 data URIs, so the page needs nothing else.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -216,13 +218,57 @@ def _plot_series(ax, series: dict[str, Any], label: str, style: str) -> None:
     )
 
 
+@contextlib.contextmanager
+def _field(name: str) -> Iterator[None]:
+    """Malformed data under `name` (an edited or foreign file) becomes one PlanFileError naming it."""
+    from .errors import PlanFileError
+
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+        import matplotlib.pyplot as plt
+
+        plt.close("all")
+        raise PlanFileError(f"{name} is malformed ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]#!|~$])")
+
+
+def _md(text: Any) -> str:
+    """Text for a Markdown cell or heading: one line, HTML-escaped, Markdown punctuation backslash-escaped."""
+    one_line = " ".join(str(text).splitlines())
+    return _MD_SPECIAL.sub(r"\\\1", html.escape(one_line, quote=False))
+
+
 def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[str, bytes]:
-    """PNG plots: 'timeline' (memory over the step) and 'curve' (memory vs recompute), where data exists."""
+    """PNG plots: 'timeline' (memory over the step) and 'curve' (memory vs recompute), where data exists.
+
+    Labels are drawn as plain text (no mathtext: a `$` in a name is just a
+    character); malformed data raises PlanFileError naming the field.
+    """
     plt = _pyplot()
+    with plt.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return _figures(plt, plan, bench)
+
+
+def _figures(plt: Any, plan: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
-    stats = plan.get("stats", {})
-    timeline = stats.get("timeline") or {}
-    measured = {r["solver"]: r["timeline"] for r in (bench or {}).get("rows", []) if r.get("timeline")}
+    stats = plan.get("stats") or {}
+    with _field("plan file: stats.timeline"):
+        timeline = stats.get("timeline") or {}
+        if not isinstance(timeline, dict):
+            raise TypeError("not an object")
+    with _field("bench file: rows[].timeline"):
+        measured = {r["solver"]: r["timeline"] for r in (bench or {}).get("rows", []) if r.get("timeline")}
+    with _field("plan file: stats.timeline (or the bench file's timelines)"):
+        _timeline_figure(plt, plan, timeline, measured, out)
+    with _field("plan file: stats.curves"):
+        _curve_figure(plt, plan, stats.get("curves") or {}, out)
+    return out
+
+
+def _timeline_figure(plt: Any, plan: dict[str, Any], timeline: dict, measured: dict, out: dict[str, bytes]) -> None:
     if timeline or measured:
         fig, ax = plt.subplots(figsize=(8, 3.6))
         if "baseline" in timeline:
@@ -243,7 +289,9 @@ def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[s
         ax.set_title("Memory over one training step")
         ax.legend(fontsize=7, loc="upper left")
         out["timeline"] = _png(fig)
-    curves = stats.get("curves") or {}
+
+
+def _curve_figure(plt: Any, plan: dict[str, Any], curves: dict, out: dict[str, bytes]) -> None:
     if curves.get("solvers"):
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for i, (name, pts) in enumerate(sorted(curves["solvers"].items())):
@@ -277,7 +325,6 @@ def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[s
         ax.set_title("Memory / overhead trade-off per solver")
         ax.legend(fontsize=7)
         out["curve"] = _png(fig)
-    return out
 
 
 def _region_rows(plan: dict[str, Any]) -> list[list[str]]:
@@ -337,29 +384,31 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
         ("solver-stats", "Solver statistics", ["statistic", "value"], _solver_stats(plan)),
     ]
     if bench:
+        with _field("bench file: rows"):
+            bench_rows = _bench_rows(bench)
         sections.append(
             (
                 "bench",
                 f"Bench ({bench.get('device', '?')}, budget {_fmt_bytes(bench.get('budget_bytes'))})",
                 _BENCH_HEAD,
-                _bench_rows(bench),
+                bench_rows,
             )
         )
     captions = {"timeline": "Memory over one training step", "curve": "Memory / overhead trade-off"}
     title = f"ckpt-planner report: {plan.get('model') or 'model'}"
     if fmt == "md":
-        lines = [f"# {title}", "", "| | |", "|---|---|"]
-        lines += [f"| {label} | {text} |" for _, label, _, text in summary]
-        lines += [f"\nnote: {n}" for n in plan.get("notes", [])]
+        lines = [f"# {_md(title)}", "", "| | |", "|---|---|"]
+        lines += [f"| {_md(label)} | {_md(text)} |" for _, label, _, text in summary]
+        lines += [f"\nnote: {_md(n)}" for n in plan.get("notes", [])]
         for key, png in pngs.items():
             lines += ["", f"## {captions[key]}", "", f"![{captions[key]}](data:image/png;base64,{png})"]
         for _, head, cols, rows in sections:
-            lines += ["", f"## {head}", ""]
+            lines += ["", f"## {_md(head)}", ""]
             if not rows:
                 lines.append("(none)")
                 continue
-            lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+            lines += ["| " + " | ".join(_md(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
         return "\n".join(lines) + "\n"
     e = html.escape
     parts = [

@@ -118,7 +118,10 @@ def bruteforce(
 ) -> SolverResult:
     """The least-recompute plan of `space` whose simulated peak fits; exhaustive."""
     if problem.n > max_nodes:
-        raise PlanSpaceTooLargeError(f"problem has {problem.n} nodes; brute force is limited to max_nodes={max_nodes}")
+        raise PlanSpaceTooLargeError(
+            f"solver 'bruteforce': the graph has {problem.n} nodes, more than the {max_nodes} (max_nodes) it can "
+            "enumerate; use solver 'dp', 'ilp' or 'auto' for this model"
+        )
     plans = sorted(
         ((recompute_time(problem, plan), len(plan), plan) for plan in enumerate_plans(problem, space, max_depth=max_depth)),
     )

@@ -1,0 +1,191 @@
+"""Argument parsing and validation for the `ckpt-planner` command line (see cli.py).
+
+Every value is checked here, before any work: a bad one is one line on
+stderr naming the option and what to give instead, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+
+__all__ = ["EXIT_USAGE", "build_parser", "default_solver"]
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        print(f"ckpt-planner: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _positive(unit: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = _number(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit} > 0")
+        return value
+
+    parse.__name__ = f"number of {unit}"
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction F with 0 < F <= 1")
+    return value
+
+
+def _count(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer in {low} .. {high}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+_seed = _count(0, 2**64 - 1)
+
+
+def default_solver() -> str:
+    from .solvers import SOLVERS
+
+    return "auto" if "auto" in SOLVERS else "uniform"
+
+
+def _model_options(p: argparse.ArgumentParser, *, budget: bool = True) -> None:
+    p.add_argument("model", help="MODEL: file.pt2 (torch.export.save), path/file.py:factory, package.module:factory, "
+                   "or a torch.save'd module (needs --trust-pickle)")
+    p.add_argument("--input", action="append", metavar="[NAME=]SHAPE[:DTYPE[:LOW-HIGH]]",
+                   help="a random example input, repeatable, in argument order (NAME= makes it a keyword "
+                   "argument); e.g. 8,3,224,224 or 8,3,224,224:float16 or 2,128:int64:0-50257 (integers in "
+                   "[LOW, HIGH), default 0-2; floats standard normal, or uniform in [LOW, HIGH))")
+    p.add_argument("--inputs", metavar="FILE", help="a torch.save'd tensor, tuple or dict of tensors (weights_only=True)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for --input tensors (default 0)")
+    p.add_argument("--trust-pickle", action="store_true", help="allow a pickled (torch.save) model, or a .pt2 with pickled members: loading it runs code from the file")
+    p.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
+                   help="where to profile (meta: fake tensors, nothing runs)")
+    if budget:
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--budget-gb", type=_positive("GB"), help="peak memory of one training step, in GB (1e9 bytes)")
+        g.add_argument("--budget-bytes", type=_count(1, 2**63 - 1), help="the same, in bytes")
+        g.add_argument("--activation-budget", type=_fraction, metavar="F",
+                       help="fixed memory plus F (0 < F <= 1) of the activation memory without checkpointing")
+        p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"], default="none",
+                       help="count this optimizer's state in the budget (default none)")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bars, no human-readable output")
+
+
+_EPILOGS = {
+    "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 --solver dp --verify -o plan.json\n"
+            "  ckpt-planner plan models.py:make_gpt --input 2,128:int64:0-50257 --activation-budget 0.5 -o plan.json",
+    "apply": "example:\n  ckpt-planner apply model.pt2 plan.json -o checkpointed/\n"
+             "  python checkpointed/load.py     # loads it back and runs one training step",
+    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input 2,128:int64:0-50257 --solvers none,uniform,dp,ilp "
+             "--budget-gb 2 -o bench.json",
+    "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
+              "  ckpt-planner report plan.json --format md -o report.md",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .solvers import SOLVERS
+
+    parser = _Parser(
+        prog="ckpt-planner",
+        description="Automatic activation-checkpoint placement for PyTorch.",
+        epilog="exit codes: 0 ok, 1 infeasible budget or failed verification, 2 bad usage or input.\n"
+               "example: ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 -o plan.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    raw = argparse.RawDescriptionHelpFormatter
+
+    plan = sub.add_parser("plan", help="plan checkpointing for a saved model, write plan.json",
+                          epilog=_EPILOGS["plan"], formatter_class=raw)
+    _model_options(plan)
+    plan.add_argument("--solver", default=default_solver(), help=f"one of {', '.join(sorted(SOLVERS))}")
+    plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
+    plan.add_argument("--curve-points", type=_count(0, 1000), default=8,
+                      help="budgets per solver for the report's memory/overhead curve (0: none; default 8)")
+    plan.add_argument("--curve-solvers", help="comma-separated solvers for that curve (default: all registered "
+                      "but none, auto and bruteforce)")
+    plan.add_argument("-o", "--output", help="plan file to write (JSON)")
+    _common(plan)
+    plan.set_defaults(command="plan")
+
+    apply = sub.add_parser("apply", help="write the checkpointed module of a plan as a folder that loads back",
+                           epilog=_EPILOGS["apply"], formatter_class=raw)
+    _model_options(apply, budget=False)
+    apply.add_argument("plan", help="plan file from `ckpt-planner plan`")
+    apply.add_argument("-o", "--output", required=True, help="output folder")
+    _common(apply)
+    apply.set_defaults(command="apply")
+
+    bench = sub.add_parser("bench", help="optimize + verify with several solvers side by side",
+                           epilog=_EPILOGS["bench"], formatter_class=raw)
+    _model_options(bench)
+    bench.add_argument("--solvers", default="none,uniform,dp,ilp", help="comma-separated; unregistered ones are skipped")
+    bench.add_argument("-o", "--output", help="bench file to write (JSON, for `report --bench`)")
+    _common(bench)
+    bench.set_defaults(command="bench")
+
+    report = sub.add_parser("report", help="HTML or Markdown report of a plan, with plots",
+                            epilog=_EPILOGS["report"], formatter_class=raw)
+    report.add_argument("plan", help="plan file from `ckpt-planner plan`")
+    report.add_argument("--bench", help="bench file from `ckpt-planner bench -o`")
+    report.add_argument("--format", choices=["html", "md"], help="default: from the output's suffix, else html")
+    report.add_argument("-o", "--output", required=True, help="report file to write")
+    _common(report)
+    report.set_defaults(command="report")
+
+    demo = sub.add_parser(
+        "demo",
+        help="plan, verify and summarise a built-in GPT-style model",
+        description="Plan the built-in GPT-style model at half its activation memory, verify it, print the summary.",
+        epilog="example: ckpt-planner demo --fraction 0.5",
+    )
+    demo.add_argument("--fraction", type=_fraction, default=0.5, help="budget as a fraction of activation memory")
+    demo.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
+    demo.add_argument("--batch", type=_count(1, 1 << 16), default=8)
+    demo.add_argument("--seq", type=_count(1, 1 << 16), default=128)
+    demo.add_argument("--layers", type=_count(1, 256), default=4)
+    demo.add_argument("--json", action="store_true", help="machine-readable output")
+    demo.add_argument("--quiet", action="store_true", help="accepted for symmetry; the summary is the output")
+    demo.set_defaults(command="demo")
+
+    prof = sub.add_parser(
+        "profile",
+        help="per-node cost table of a model",
+        epilog="example: ckpt-planner profile --example cnn --json",
+    )
+    prof.add_argument("--example", default="gpt", choices=["gpt", "mlp", "cnn"], help="built-in example model")
+    prof.add_argument("--meta", action="store_true", help="fake tensors: exact bytes, FLOP-based time")
+    prof.add_argument("--json", action="store_true")
+    prof.add_argument("--quiet", action="store_true", help="accepted for symmetry; the table is the output")
+    prof.set_defaults(command="profile")
+    return parser
