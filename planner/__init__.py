@@ -31,6 +31,7 @@ _EXPORTS = {
     "CostGraph": "graph",
     "PlannerError": "errors",
     "InputError": "errors",
+    "UnplannableError": "errors",
     "CaptureError": "errors",
     "ProfileError": "errors",
     "PlanFileError": "errors",
@@ -52,6 +53,7 @@ __all__ = [
     "CostGraph",
     "PlannerError",
     "InputError",
+    "UnplannableError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -99,6 +101,7 @@ if TYPE_CHECKING:
         PlannerError,
         ProfileError,
         UnknownSolverError,
+        UnplannableError,
     )
     from .graph import CostGraph
     from .plan import Plan

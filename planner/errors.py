@@ -7,6 +7,7 @@ from .solvers.registry import InfeasibleBudgetError, UnknownSolverError
 __all__ = [
     "PlannerError",
     "InputError",
+    "UnplannableError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -22,6 +23,10 @@ class PlannerError(RuntimeError):
 
 class InputError(ValueError):
     """A bad argument or input (shape, dtype, budget, path); the message names it."""
+
+
+class UnplannableError(InputError):
+    """A model or calling context that has no training step to plan (no_grad, an eval-mode export)."""
 
 
 class CaptureError(PlannerError):
