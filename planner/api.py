@@ -306,34 +306,43 @@ class Planner:
     def _floor(self, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
         key = (solver, keep, repr(sorted(options.items())))
         if key not in self._floors:
-            self._floors[key] = floor_plan(self.problem, solver, options, lambda r: self._finish(r, keep))
+            # The model's own regions are a plan too: replacing them never needs more memory than keeping them.
+            extra = [self.own_regions] if self.own_regions else []
+            self._floors[key] = floor_plan(self.problem, solver, options, lambda r: self._finish(r, keep), extra)
         return self._floors[key]
 
     def _solve(
         self, budget: int | None, solver: str, options: dict[str, Any], margin: float, keep: bool
     ) -> tuple[Solution, list[str]]:
         problem = self.problem
-        start = self.own_regions if keep else ()
         if budget is None:
             solution, notes = _solve_unbudgeted(problem, solver, options)
             regions, moved = self._finish(solution.regions, keep)
             return _with_regions(problem, solution, regions), notes + moved
-        as_is = simulate(problem, start)
-        if as_is.peak_bytes <= budget:
-            what = "with the model's own checkpointing" if start else "without checkpointing"
-            note = f"the step fits the budget {what} (predicted peak {as_is.peak_bytes / 1e9:.3f} GB): no-op plan"
-            solution = solvers.solve(problem, budget, "none")
-            return _with_regions(problem, solution, start), [note]
+        # The model as given (its own regions, moved off in-place writes like any plan) and, when
+        # replacing them, the plain step: either fits a budget at or above its peak with no margin.
+        given = self._finish(self.own_regions, False)[0] if self.own_regions else ()
+        given_peak = simulate(problem, given).peak_bytes
+        plain_peak = self.no_checkpoint_peak_bytes
+        if plain_peak <= budget and not keep:
+            note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
+            return _with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
         fixed = problem.fixed_bytes
         inner = inner_budget(budget, fixed, margin)
         floor_peak, floor_regions = self._floor(solver, options, keep)
-        if floor_peak > inner:
-            smallest = min(as_is.peak_bytes, smallest_budget(floor_peak, fixed, margin))
+        as_is = given_peak if keep else min(plain_peak, given_peak)
+        if floor_peak > inner and as_is > budget:
+            smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
             detail = ""
-            if smallest == as_is.peak_bytes:
-                detail = peak_detail(problem, start, [n.name for n in self.cost.nodes])
+            if smallest == as_is:
+                regions = given if given_peak <= plain_peak or keep else ()
+                detail = peak_detail(problem, regions, [n.name for n in self.cost.nodes])
             raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed, detail=detail)
         stats = {"planned_for_bytes": inner}
+        if floor_peak > inner or (keep and given_peak <= budget):
+            note = f"the model as given fits the budget (predicted peak {given_peak / 1e9:.3f} GB): its own checkpointing, unchanged"
+            none = solvers.solve(problem, None, "none")
+            return _with_regions(problem, none, given, budget, {**stats, "as_given": True}), [note]
         target = inner
         for attempt in range(4):  # the measured-time plan, tightened while its last change leaves it over
             try:

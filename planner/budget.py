@@ -64,8 +64,11 @@ def floor_plan(
     solver: str,
     options: dict[str, Any],
     finish: Callable[[Sequence[tuple[int, int]]], tuple[Regions, list[str]]],
+    extra: Sequence[Regions] = (),
 ) -> tuple[int, Regions]:
     """(peak bytes, regions) of the least-memory plan `solver` finds on deterministic costs, finished.
+
+    `extra`: plans that are candidates too (the model's own checkpoint regions).
 
     `finish` applies what happens to every plan after solving (in-place safety, own checkpointing);
     the peak is simulated on the real problem (bytes do not depend on the times).
@@ -74,7 +77,7 @@ def floor_plan(
     names = _FLOOR_PORTFOLIO if solver == "auto" else (solver,)
     opts = {k: v for k, v in options.items() if k not in ("time_limit", "solvers")} if solver == "auto" else options
     best: tuple[int, Regions] | None = None
-    candidates: list[Regions] = []
+    candidates: list[Regions] = [tuple(r) for r in extra]
     for name in names:
         fn = get_solver(name)
         result = fn(det, problem.fixed_bytes, **(opts if name == solver else {}))
@@ -89,16 +92,20 @@ def floor_plan(
 
 
 def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str:
-    """Where the peak of a plan is reached, in words (for an error that says why no plan lowers it)."""
+    """Why no plan lowers the peak of the step as given, in words (appended to the error)."""
     sim = simulate(problem, regions)
     node = sim.peak_node
     if node < 0:
         return ""
     name = names[node] if node < len(names) else str(node)
-    own = problem.nodes[node].backward_temp_bytes
-    if sim.peak_phase == "backward" and own > 0:
-        return (
-            f"; no checkpoint plan lowers the peak: it is reached inside the backward of {name} itself, "
-            f"which holds {own / 1e6:.3f} MB of its own temporaries, so the smallest budget is the step's own peak"
+    what = "the step as given" if regions else "the step without checkpointing"
+    text = f"; no checkpoint plan lowers the peak below that of {what} (reached in the {sim.peak_phase} of {name})"
+    # What the node's own backward needs: the tensors it saved itself and its temporaries (bytes).
+    # Recomputing the node brings them back for that same backward, so no plan frees them there.
+    own = problem.nodes[node].backward_temp_bytes + sum(st.nbytes for st in problem.storages if node in st.saved_by)
+    if sim.peak_phase == "backward" and own >= 0.5 * max(1, sim.peak_bytes - problem.fixed_bytes):
+        text += (
+            f": it is inside {name}'s own backward, which needs the {own / 1e6:.3f} MB it saved and allocates "
+            "itself, and a recompute holds them again"
         )
-    return f"; no checkpoint plan lowers the peak (reached in the {sim.peak_phase} of {name})"
+    return text
