@@ -275,7 +275,7 @@ class Planner:
         cap = self.capture
         if not (self.own_regions or cap.builtin_checkpointing or self.own_unplaced):
             return []
-        paths = list(dict.fromkeys([*cap.builtin_checkpointing, *(c.module or "a function" for c in cap.own_checkpoints)]))
+        paths = list(dict.fromkeys(c.module or "a function" for c in cap.own_checkpoints)) or list(cap.builtin_checkpointing)
         shown = ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else "")
         how = (
             "this plan keeps it and adds regions where the budget needs them"

@@ -43,8 +43,12 @@ class OwnCheckpoint:
 
 
 def _owner_path(fn: Any, paths: dict[int, str]) -> str | None:
+    """Path of the module a checkpointed callable runs: the module itself, a bound method of it, or
+    a partial of either, or of a function whose first bound argument is the module (HF layers)."""
     f = fn
     while isinstance(f, functools.partial):
+        if f.args and isinstance(f.args[0], torch.nn.Module):
+            return paths.get(id(f.args[0]))
         f = f.func
     owner = f if isinstance(f, torch.nn.Module) else getattr(f, "__self__", None)
     return paths.get(id(owner)) if owner is not None else None

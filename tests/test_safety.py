@@ -278,6 +278,25 @@ def test_own_checkpointing_keep_and_default_budget():
         planner.plan(activation_budget=0.7, own_checkpointing="both")
 
 
+def test_hf_gradient_checkpointing_is_the_baseline():
+    from tests.models import hf_gpt2
+
+    model, inputs = hf_gpt2()
+    model.gradient_checkpointing_enable()
+    planner = Planner(model, inputs, profile_config=FAST)
+    assert [c.module for c in planner.capture.own_checkpoints] == ["transformer.h.0", "transformer.h.1"]
+    assert len(planner.own_regions) == 2
+    params = list(model.parameters())
+    given, _ = measure_step(model, (), inputs, params, params + list(model.buffers()), default_loss, torch.device("cpu"))
+    assert abs(planner.baseline_peak_bytes - given) <= 0.05 * given, (planner.baseline_peak_bytes, given)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        planner.plan(budget_bytes=1, solver="dp")
+    plan = planner.plan(budget_bytes=(info.value.smallest_bytes + given) // 2, solver="dp")
+    report = verify(model, plan, inputs, repeats=1)
+    assert report.exact and report.measured_peak_bytes < report.baseline_measured_peak_bytes
+    assert model.transformer.h[0].gradient_checkpointing  # the model keeps its own flag
+
+
 # -- verify names what differs ---------------------------------------------------------------------
 
 
