@@ -300,8 +300,14 @@ class Planner:
         regions = list(regions)
         if keep:
             regions = _merge_own(self.own_regions, regions)
-        safe, moved = safe_regions(self.capture.graph_module, regions)
-        return normalize_regions(self.problem, safe), moved
+        notes: list[str] = []
+        for _ in range(4):  # until stable: rewrite() runs safe_regions again on what it is given
+            safe, moved = safe_regions(self.capture.graph_module, regions)
+            notes += moved
+            if sorted(safe) == sorted(tuple(r) for r in regions):
+                break
+            regions = safe
+        return normalize_regions(self.problem, safe), notes
 
     def _floor(self, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
         key = (solver, keep, repr(sorted(options.items())))
