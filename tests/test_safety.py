@@ -193,6 +193,19 @@ def test_plans_of_a_model_with_in_place_writes_fit_their_budget():
     assert any("writes in place" in n for n in notes)  # regions were moved after solving, and still fit
 
 
+def test_every_plan_of_one_profile_fits_its_budget():
+    model, inputs = LOCAL["cnn"]()  # BatchNorm and in-place ReLU
+    planner = Planner(model, inputs, profile_config=FAST)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        planner.plan(budget_bytes=1, solver="dp")
+    low, base = info.value.smallest_bytes, planner.no_checkpoint_peak_bytes
+    for k in range(12):
+        budget = low + (base - low) * k // 12
+        plan = planner.plan(budget_bytes=budget, solver="dp")
+        assert plan.predicted_peak_bytes <= budget, (k, budget)
+        assert simulate(planner.problem, plan.spans()).peak_bytes == plan.predicted_peak_bytes
+
+
 def test_apply_over_budget_raises_unless_allowed():
     model, inputs = LOCAL["mlp"]()
     plan = optimize(model, inputs, activation_budget=0.6, solver="uniform", profile_config=FAST)
