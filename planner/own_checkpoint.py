@@ -145,10 +145,13 @@ def check_training_graph(model: torch.nn.Module) -> None:
     """Refuse a GraphModule (an `ExportedProgram.module()`) whose graph was exported in eval mode.
 
     The graph keeps the mode it was exported in: dropout off and BatchNorm on running statistics
-    cannot be switched back by `train()`, so the step it runs is not a training step.
+    cannot be switched back by `train()`, so the step it runs is not a training step. Refused when
+    every dropout/BatchNorm op of the graph is in inference form (a model exported in training mode
+    with some BatchNorm frozen on purpose keeps the others in training form).
     """
     if not isinstance(model, fx.GraphModule):
         return
+    first = None
     for node in model.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -159,7 +162,10 @@ def check_training_graph(model: torch.nn.Module) -> None:
         if pos is not None:
             train = node.args[pos] if len(node.args) > pos else node.kwargs.get("training", node.kwargs.get("train"))
             if train is not False:
-                continue
+                return  # a training-form op: the graph was exported in training mode
+        first = first or (node, key)
+    if first is not None:
+        node, key = first
         what = "BatchNorm uses running statistics" if "batch_norm" in key else "dropout is off"
         raise UnplannableError(
             f"model: the graph was exported in eval mode (node {node.name}: {what}), so it has no training step "
