@@ -65,6 +65,17 @@ def test_train_mode_export_is_planned(tmp_path):
     assert plan.predicted_peak_bytes <= 10**9
 
 
+def test_training_export_with_a_frozen_batchnorm_is_not_refused():
+    from ckpt_planner.own_checkpoint import check_training_graph
+
+    model = _bn_dropout_net().train()
+    model[1].eval()  # BatchNorm frozen on purpose; dropout still trains
+    gm = torch.export.export(model, (torch.randn(2, 3, 8, 8),)).module()
+    kinds = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.batch_norm.default" in kinds and "aten.dropout.default" in kinds
+    check_training_graph(gm)  # no error: the dropout op is in training form
+
+
 # -- budgets: the smallest named is feasible, minimal, and does not depend on timing ------------------
 
 
