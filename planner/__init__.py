@@ -32,6 +32,7 @@ _EXPORTS = {
     "PlannerError": "errors",
     "InputError": "errors",
     "NothingToPlanError": "errors",
+    "UnplannableError": "errors",
     "CaptureError": "errors",
     "ProfileError": "errors",
     "PlanFileError": "errors",
@@ -54,6 +55,7 @@ __all__ = [
     "PlannerError",
     "InputError",
     "NothingToPlanError",
+    "UnplannableError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -101,6 +103,7 @@ if TYPE_CHECKING:
         PlannerError,
         ProfileError,
         UnknownSolverError,
+        UnplannableError,
     )
     from .graph import CostGraph
     from .plan import Plan

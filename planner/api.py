@@ -8,10 +8,12 @@ from typing import Any
 import torch
 
 from . import solvers
+from .budget import floor_plan, inner_budget, peak_detail, smallest_budget
 from .capture import capture, flatten_for_graph
 from .distributed import check_sharding, shard_problem
-from .errors import InputError
+from .errors import InputError, UnplannableError
 from .graph import CostGraph
+from .own_checkpoint import own_spans
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
@@ -73,6 +75,7 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     safety_margin: float = 0.02,
+    own_checkpointing: str = "replace",
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -90,11 +93,32 @@ def optimize(
     example_inputs are one rank's batch (see planner/distributed.py).
     safety_margin (default 0.02) reserves that fraction of the budget's
     activation part for what the simulator does not see (the allocator's
-    rounding on a GPU, kernels that pick other workspaces at other sizes). The model is left
-    as it was found.
+    rounding on a GPU, kernels that pick other workspaces at other sizes): the
+    solvers plan for `budget - floor(margin * (budget - fixed))`, fixed being
+    parameters, inputs and optimizer state. A budget the step as given already
+    fits gets no plan and no margin (nothing is recomputed).
+    Every plan is re-simulated after its last change (cuts moved off in-place
+    writes, the model's own regions merged in) and re-solved tighter, or replaced
+    by the least-memory plan, when that change left it over the planned budget.
+    An infeasible budget raises InfeasibleBudgetError naming the smallest
+    feasible one, margin included: a call at exactly that budget succeeds, a
+    lower one is refused, and it is never above the peak of the step as given.
+    Feasibility is decided from bytes alone (see planner/budget.py), so a fresh
+    call, which re-times the model, accepts it too.
+    own_checkpointing: a model that checkpoints itself (torch.utils.checkpoint in
+    its forward, HF `gradient_checkpointing_enable()`, timm `grad_checkpointing`)
+    is measured as given: the baseline and the memory saved are against it.
+    'replace' (default) plans the plain graph freely (with no budget given, the
+    budget is the model's own peak, so the plan is never worse than it); 'keep'
+    keeps its checkpoint regions and adds regions where the budget needs them.
+    Called under torch.no_grad() or torch.inference_mode(), or on an eval-mode
+    export, it raises UnplannableError: there is no training step to plan.
+    The model is left as it was found.
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
+    if own_checkpointing not in OWN_CHECKPOINTING:
+        raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
     planner = Planner(
         model,
         example_inputs,
@@ -112,6 +136,7 @@ def optimize(
         solver=solver,
         solver_options=solver_options,
         safety_margin=safety_margin,
+        own_checkpointing=own_checkpointing,
     )
 
 
@@ -123,6 +148,23 @@ def _check_budget_args(budget_gb: float | None, budget_bytes: int | None, activa
         if not 0 < activation_budget <= 1:
             raise InputError(f"activation_budget: {activation_budget} must be in (0, 1]")
     return budget
+
+
+OWN_CHECKPOINTING = ("replace", "keep")
+
+
+def _refuse_grad_mode() -> None:
+    """Planning profiles one training step: under no_grad/inference_mode nothing is saved for backward."""
+    if torch.is_inference_mode_enabled():
+        raise UnplannableError(
+            "optimize: called inside torch.inference_mode(), where nothing is saved for backward, so there is "
+            "no training step to plan; call it outside that context"
+        )
+    if not torch.is_grad_enabled():
+        raise UnplannableError(
+            "optimize: called under torch.no_grad(), where nothing is saved for backward, so there is no "
+            "training step to plan; call it outside that context (or inside torch.enable_grad())"
+        )
 
 
 class Planner:
@@ -146,6 +188,7 @@ class Planner:
         world_size: int = 1,
         sharding: str | None = None,
     ) -> None:
+        _refuse_grad_mode()
         check_sharding(world_size, sharding)
         config = profile_config or ProfileConfig()
         if device is not None and torch.device(device).type == "meta":
@@ -158,9 +201,25 @@ class Planner:
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
         self.problem, self.dist_notes = shard_problem(problem, model, world_size=world_size, sharding=sharding)
+        nodes = self.cost.nodes
+        spans, self.own_unplaced = own_spans(
+            self.capture.own_checkpoints,
+            [n.name for n in nodes],
+            [n.module for n in nodes],
+            [n.recomputable for n in nodes],
+        )
+        self.own_regions = _laminar(self.problem, spans)
+        """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
+        self._floors: dict[tuple, tuple[int, tuple[tuple[int, int], ...]]] = {}
 
     @property
     def baseline_peak_bytes(self) -> int:
+        """Predicted peak of one step of the model as given (its own checkpointing included)."""
+        return simulate(self.problem, self.own_regions).peak_bytes
+
+    @property
+    def no_checkpoint_peak_bytes(self) -> int:
+        """Predicted peak of one step with no checkpointing at all."""
         return simulate(self.problem, ()).peak_bytes
 
     def plan(
@@ -172,82 +231,200 @@ class Planner:
         solver: str = "auto",
         solver_options: dict[str, Any] | None = None,
         safety_margin: float = 0.02,
+        own_checkpointing: str = "replace",
     ) -> Plan:
-        """Solve for one budget and build the checkpointed module."""
+        """Solve for one budget and build the checkpointed module (see `optimize`)."""
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        if own_checkpointing not in OWN_CHECKPOINTING:
+            raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
+        if not 0 <= safety_margin < 1:
+            raise InputError(f"safety_margin: {safety_margin} must be in [0, 1)")
         solvers.get_solver(solver)
         problem, cap, model = self.problem, self.capture, self.model
         options = dict(solver_options or {})
+        given = self.baseline_peak_bytes
+        keep = own_checkpointing == "keep" and bool(self.own_regions)
+        own_notes = self._own_notes(own_checkpointing)
         if activation_budget is not None:
-            base_peak = simulate(problem, ()).peak_bytes
-            budget = int(problem.fixed_bytes + activation_budget * (base_peak - problem.fixed_bytes))
-        solution, notes = _solve(problem, budget, solver, options, safety_margin)
-        safe, moved = safe_regions(cap.graph_module, solution.regions)  # in-place ops at region boundaries
-        if moved:
-            solution = dataclasses.replace(solution, regions=normalize_regions(problem, safe))
-            notes = list(notes) + moved
-        plan = plan_from_solution(self.cost, problem, solution, cap, notes=notes + self.dist_notes, solver_options=options)
+            budget = int(problem.fixed_bytes + activation_budget * (given - problem.fixed_bytes))
+        elif budget is None and self.own_regions:
+            budget = given
+            own_notes.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
+        solution, notes = self._solve(budget, solver, options, safety_margin, keep)
+        plan = plan_from_solution(
+            self.cost,
+            problem,
+            solution,
+            cap,
+            notes=notes + self.dist_notes + own_notes,
+            solver_options=options,
+            baseline_regions=self.own_regions,
+        )
+        if self.own_regions or cap.builtin_checkpointing:
+            plan.stats["own_checkpointing"] = "kept" if keep else "replaced"
+            plan.stats["no_checkpoint_peak_bytes"] = self.no_checkpoint_peak_bytes
         plan.model_name = type(model).__name__
         plan.problem = problem
         plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
-        extra = []
-        if cap.builtin_checkpointing:
-            shown = ", ".join(cap.builtin_checkpointing[:4]) + (" ..." if len(cap.builtin_checkpointing) > 4 else "")
-            extra.append(
-                f"the model checkpoints itself ({len(cap.builtin_checkpointing)} modules: {shown}); "
-                "this plan replaces that checkpointing (plan.module does not use it, the model keeps it)"
-            )
-        extra.extend(getattr(plan.module, "rewrite_notes", ()))
+        extra = tuple(getattr(plan.module, "rewrite_notes", ()))
         if extra:
-            plan.notes = tuple(plan.notes) + tuple(extra)
+            plan.notes = tuple(plan.notes) + extra
         return plan
 
+    def _own_notes(self, mode: str) -> list[str]:
+        cap = self.capture
+        if not (self.own_regions or cap.builtin_checkpointing or self.own_unplaced):
+            return []
+        paths = list(dict.fromkeys(c.module or "a function" for c in cap.own_checkpoints)) or list(cap.builtin_checkpointing)
+        shown = ", ".join(paths[:4]) + (" ..." if len(paths) > 4 else "")
+        how = (
+            "this plan keeps it and adds regions where the budget needs them"
+            if mode == "keep" and self.own_regions
+            else "this plan replaces it (plan.module does not use it; the model keeps it)"
+        )
+        notes = [
+            f"the model checkpoints itself ({len(self.own_regions)} regions: {shown}); {how}; the baseline and "
+            "the memory saved are those of the model as given"
+        ]
+        if self.own_unplaced:
+            notes.append(
+                f"{len(self.own_unplaced)} of the model's own checkpoint calls could not be located in the graph "
+                f"({', '.join(dict.fromkeys(self.own_unplaced))}): the baseline counts them as not checkpointed"
+            )
+        return notes
 
-def _solve(
-    problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float = 0.0
-) -> tuple[Solution, list[str]]:
+    # -- solving, with every plan re-simulated after its last change ----------------------------
+    def _finish(self, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...], list[str]]:
+        """A solver's regions after what happens to every plan: the model's own regions merged in
+        (keep), cuts moved off in-place writes (safe_regions)."""
+        regions = list(regions)
+        if keep:
+            regions = _merge_own(self.own_regions, regions)
+        notes: list[str] = []
+        for _ in range(4):  # until stable: rewrite() runs safe_regions again on what it is given
+            safe, moved = safe_regions(self.capture.graph_module, regions)
+            notes += moved
+            if sorted(safe) == sorted(tuple(r) for r in regions):
+                break
+            regions = safe
+        return normalize_regions(self.problem, safe), notes
+
+    def _floor(self, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
+        key = (solver, keep, repr(sorted(options.items())))
+        if key not in self._floors:
+            # The model's own regions are a plan too: replacing them never needs more memory than keeping them.
+            extra = [self.own_regions] if self.own_regions else []
+            self._floors[key] = floor_plan(self.problem, solver, options, lambda r: self._finish(r, keep), extra)
+        return self._floors[key]
+
+    def _solve(
+        self, budget: int | None, solver: str, options: dict[str, Any], margin: float, keep: bool
+    ) -> tuple[Solution, list[str]]:
+        problem = self.problem
+        if budget is None:
+            solution, notes = _solve_unbudgeted(problem, solver, options)
+            regions, moved = self._finish(solution.regions, keep)
+            return _with_regions(problem, solution, regions), notes + moved
+        # The model as given (its own regions, moved off in-place writes like any plan) and, when
+        # replacing them, the plain step: either fits a budget at or above its peak with no margin.
+        given = self._finish(self.own_regions, False)[0] if self.own_regions else ()
+        given_peak = simulate(problem, given).peak_bytes
+        plain_peak = self.no_checkpoint_peak_bytes
+        if plain_peak <= budget and not keep:
+            note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
+            return _with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
+        fixed = problem.fixed_bytes
+        inner = inner_budget(budget, fixed, margin)
+        floor_peak, floor_regions = self._floor(solver, options, keep)
+        as_is = given_peak if keep else min(plain_peak, given_peak)
+        if floor_peak > inner and as_is > budget:
+            smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
+            detail = ""
+            if smallest == as_is:
+                regions = given if given_peak <= plain_peak or keep else ()
+                detail = peak_detail(problem, regions, [n.name for n in self.cost.nodes])
+            raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed, detail=detail)
+        stats = {"planned_for_bytes": inner}
+        if floor_peak > inner or (keep and given_peak <= budget):
+            note = f"the model as given fits the budget (predicted peak {given_peak / 1e9:.3f} GB): its own checkpointing, unchanged"
+            none = solvers.solve(problem, None, "none")
+            return _with_regions(problem, none, given, budget, {**stats, "as_given": True}), [note]
+        target = inner
+        for attempt in range(4):  # the measured-time plan, tightened while its last change leaves it over
+            try:
+                solution = solvers.solve(problem, target, solver, **options)
+            except solvers.InfeasibleBudgetError:
+                break
+            regions, moved = self._finish(solution.regions, keep)
+            peak = simulate(problem, regions).peak_bytes
+            if peak <= inner:
+                if attempt:
+                    moved.append(f"re-solved {attempt}x at a lower internal budget: moved regions had left it over")
+                solution = _with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
+                return solution, moved
+            target -= peak - inner
+            if target <= fixed:
+                break
+        note = (
+            f"the {solver!r} plan on measured times did not fit once its regions were finished: this is the "
+            "least-memory plan on FLOP costs"
+        )
+        floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget)
+        return _with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
+
+
+def _with_regions(problem: Problem, solution: Solution, regions, budget=None, stats=None) -> Solution:
+    """`solution` with `regions` in place of its own, re-simulated."""
+    sim = simulate(problem, regions)
+    return dataclasses.replace(
+        solution,
+        regions=tuple(regions),
+        peak_bytes=sim.peak_bytes,
+        recompute_time=sim.recompute_time,
+        budget_bytes=solution.budget_bytes if budget is None else budget,
+        stats={**solution.stats, **(stats or {})},
+    )
+
+
+def _laminar(problem: Problem, spans) -> tuple[tuple[int, int], ...]:
+    """The spans that nest properly, in order (a span crossing an earlier one is left out)."""
+    kept: list[tuple[int, int]] = []
+    for span in spans:
+        try:
+            kept = list(normalize_regions(problem, kept + [span]))
+        except Exception:  # noqa: BLE001 - a crossing span is not kept
+            continue
+    return tuple(kept)
+
+
+def _merge_own(own, regions) -> list[tuple[int, int]]:
+    """The model's own regions plus the solver's regions that are disjoint from them or contain them."""
+    out = list(own)
+    for s, e in regions:
+        if all(e < a or b < s or (s <= a and b <= e and (s, e) != (a, b)) for a, b in own):
+            out.append((s, e))
+    return out
+
+
+def _solve_unbudgeted(problem: Problem, solver: str, options: dict[str, Any]) -> tuple[Solution, list[str]]:
     notes: list[str] = []
     base = simulate(problem, ())
-    if budget is not None and base.peak_bytes <= budget:
-        notes.append(
-            f"the step fits the budget without checkpointing (predicted peak {base.peak_bytes / 1e9:.3f} GB): no-op plan"
-        )
-        return solvers.solve(problem, budget, "none"), notes
-    if budget is None:
-        sweep = getattr(solvers, "sweep", None)
-        knee = getattr(solvers, "knee", None)
-        if sweep is not None and knee is not None:
-            fixed = problem.fixed_bytes
-            act = base.peak_bytes - fixed
-            budgets = [int(fixed + act * f / 20) for f in range(1, 21)]
-            curve = [s for s in sweep(problem, budgets, solver=solver, **options) if s is not None]
-            if curve:
-                chosen = knee(curve)
-                notes.append(
-                    f"no budget given: chose the knee of the memory/recompute curve "
-                    f"({chosen.peak_bytes / 1e9:.3f} GB, {len(curve)} points swept)"
-                )
-                return chosen, notes
-        notes.append("no budget given: solver default plan")
-    return _solve_with_margin(problem, budget, solver, options, margin), notes
-
-
-def _solve_with_margin(problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float) -> Solution:
-    """Solve for the budget less a reserve of `margin` x its activation part.
-
-    The reserve covers what the simulator does not see (allocator rounding, workspaces),
-    so that the measured peak stays within the budget the user gave.
-    """
-    if budget is None:
-        return solvers.solve(problem, None, solver, **options)
-    fixed = problem.fixed_bytes
-    inner = budget - max(0, int(margin * (budget - fixed)))
-    try:
-        solution = solvers.solve(problem, inner, solver, **options)
-    except solvers.InfeasibleBudgetError as e:
-        smallest = fixed + int((e.smallest_bytes - fixed) / (1 - margin)) + 1 if e.smallest_bytes > fixed else fixed
-        raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed) from None
-    return dataclasses.replace(solution, budget_bytes=budget, stats={**solution.stats, "planned_for_bytes": inner})
+    sweep = getattr(solvers, "sweep", None)
+    knee = getattr(solvers, "knee", None)
+    if sweep is not None and knee is not None:
+        fixed = problem.fixed_bytes
+        act = base.peak_bytes - fixed
+        budgets = [int(fixed + act * f / 20) for f in range(1, 21)]
+        curve = [s for s in sweep(problem, budgets, solver=solver, **options) if s is not None]
+        if curve:
+            chosen = knee(curve)
+            notes.append(
+                f"no budget given: chose the knee of the memory/recompute curve "
+                f"({chosen.peak_bytes / 1e9:.3f} GB, {len(curve)} points swept)"
+            )
+            return chosen, notes
+    notes.append("no budget given: solver default plan")
+    return solvers.solve(problem, None, solver, **options), notes
 
 
 def plan_from_solution(
@@ -258,9 +435,11 @@ def plan_from_solution(
     *,
     notes: list[str] | tuple[str, ...] = (),
     solver_options: dict[str, Any] | None = None,
+    baseline_regions=(),
 ) -> Plan:
-    """Wrap a solver's Solution as a Plan (no module yet)."""
-    base = simulate(problem, ())
+    """Wrap a solver's Solution as a Plan (no module yet); the baseline runs `baseline_regions`
+    (the model's own checkpointing: the model as given)."""
+    base = simulate(problem, tuple(baseline_regions))
     sim = simulate(problem, solution.regions)
     saved = cost.saved_bytes
     depth_of: list[int] = []

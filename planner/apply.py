@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import InputError, PlanMismatchError
+from .errors import InfeasibleBudgetError, InputError, PlanMismatchError
 from .rewrite import _restore_buffers
 from .solvers import Problem, simulate
 
@@ -296,8 +296,13 @@ def module_aligned(
     return current, spans, misaligned
 
 
-def apply_plan(plan: Any, model: torch.nn.Module) -> Application:
-    """Checkpoint, in place, the submodules of `model` that carry out `plan` (see module docstring)."""
+def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = False) -> Application:
+    """Checkpoint, in place, the submodules of `model` that carry out `plan` (see module docstring).
+
+    The module-level plan is simulated before anything is changed; when it is over the plan's
+    budget, InfeasibleBudgetError names the least peak a module-level plan reaches, and the model
+    is left untouched, unless `allow_over_budget=True` (then it is applied and a note says so).
+    """
     problem: Problem | None = getattr(plan, "problem", None)
     if problem is None:
         paths: list[str] = []
@@ -317,9 +322,21 @@ def apply_plan(plan: Any, model: torch.nn.Module) -> Application:
             notes.append("the plan file lists only the first modules of some regions; the rest were not applied")
         return Application(modules=applied, aligned=False, budget_bytes=plan.budget_bytes, notes=tuple(notes))
     spans_used, spans, misaligned = module_aligned(problem, model, plan.spans(), plan.budget_bytes)
+    sim = simulate(problem, spans_used)
+    if plan.budget_bytes is not None and sim.peak_bytes > plan.budget_bytes and not allow_over_budget:
+        least = simulate(problem, module_aligned(problem, model, plan.spans(), 0)[0]).peak_bytes
+        raise InfeasibleBudgetError(
+            plan.budget_bytes,
+            least,
+            f"{plan.solver} applied per module",
+            problem.fixed_bytes,
+            detail=(
+                f"; the nearest whole-module plan peaks at {sim.peak_bytes / 1e6:.2f} MB: use plan.module for the "
+                "exact plan, re-plan at that budget, or pass allow_over_budget=True"
+            ),
+        )
     paths = [spans[sp] for sp in spans_used]
     applied = checkpoint_modules(model, paths)
-    sim = simulate(problem, spans_used)
     notes = []
     if misaligned:
         notes.append(
@@ -329,8 +346,8 @@ def apply_plan(plan: Any, model: torch.nn.Module) -> Application:
         )
     if plan.budget_bytes is not None and sim.peak_bytes > plan.budget_bytes:
         notes.append(
-            f"no module-level plan near this one fits the budget ({sim.peak_bytes / 1e6:.2f} MB > "
-            f"{plan.budget_bytes / 1e6:.2f} MB); use plan.module for the exact plan"
+            f"applied over budget (allow_over_budget=True): no module-level plan near this one fits "
+            f"({sim.peak_bytes / 1e6:.2f} MB > {plan.budget_bytes / 1e6:.2f} MB); use plan.module for the exact plan"
         )
     return Application(
         modules=applied,

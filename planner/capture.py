@@ -15,6 +15,7 @@ the wrong gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError
 from .export_exact import match_eager_attention, recording_mask_skips
+from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
 from .state import ModelState
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
@@ -45,6 +47,9 @@ class Capture:
     """Module paths whose own checkpointing (HF `gradient_checkpointing_enable()`, timm
     `grad_checkpointing`, densenet `memory_efficient`) was switched off for the capture, so the
     graph holds the plain computation and a plan replaces that checkpointing instead of stacking on it."""
+    own_checkpoints: tuple[OwnCheckpoint, ...] = ()
+    """The model's own `torch.utils.checkpoint` calls (direct or through a library flag), which the
+    graph inlines; with the nodes each covered where symbolic_trace recorded them."""
 
 
 def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -131,8 +136,8 @@ def _as_node(cls: type, run, args: tuple, kwargs: dict) -> Any:
     return proxy.tracer.create_proxy("call_function", _function_node(cls), args, kwargs)
 
 
-def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    with _autograd_functions(_as_node):
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, calls: list[OwnCheckpoint]) -> fx.GraphModule:
+    with _autograd_functions(_as_node), recording_checkpoints(model, calls):
         gm = fx.symbolic_trace(model)
     is_meta = any(t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     if not is_meta:
@@ -154,22 +159,41 @@ def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str =
     """
     if method not in ("auto", "symbolic_trace", "export"):
         raise InputError(f"method: {method!r} is not one of 'auto', 'symbolic_trace', 'export'")
+    check_training_graph(model)
     args, kwargs = normalize_inputs(example_inputs, model)
     was_training = model.training
     model.train()
-    with builtin_checkpointing_off(model) as builtin:
-        try:
-            return _capture(model, args, kwargs, method, builtin)
-        finally:
-            model.train(was_training)
+    try:
+        called = _own_checkpoint_calls(model, args, kwargs)
+        with builtin_checkpointing_off(model) as builtin:
+            cap = _capture(model, args, kwargs, method, builtin)
+    finally:
+        model.train(was_training)
+    traced = list(cap.own_checkpoints)  # the direct calls symbolic_trace saw, with their nodes
+    left = list(called)
+    for call in traced:
+        match = next((c for c in left if c.module == call.module), None)
+        if match is not None:
+            left.remove(match)
+    return dataclasses.replace(cap, own_checkpoints=tuple(traced + left))
+
+
+def _own_checkpoint_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[OwnCheckpoint]:
+    """The checkpoint calls one forward of the model as given makes (library flags left on)."""
+    calls: list[OwnCheckpoint] = []
+    with contextlib.suppress(Exception), ModelState(model).preserved(), torch.no_grad():
+        with recording_checkpoints(model, calls):
+            model(*args, **kwargs)
+    return calls
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, builtin: tuple[str, ...]) -> Capture:
     reason = None
     if method in ("auto", "symbolic_trace"):
         try:
-            gm = _trace(model, args, kwargs)
-            return Capture(gm, "symbolic_trace", None, args, kwargs, builtin)
+            calls: list[OwnCheckpoint] = []
+            gm = _trace(model, args, kwargs, calls)
+            return Capture(gm, "symbolic_trace", None, args, kwargs, builtin, tuple(calls))
         except Exception as e:  # noqa: BLE001 - any trace failure means: try export
             if method == "symbolic_trace":
                 raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e

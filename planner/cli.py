@@ -296,7 +296,7 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str]:
     plan.stats["verify"] = _report_dict(report)
     problems = []
     if not report.exact:
-        problems.append(f"results differ from the original (max gradient diff {report.max_abs_grad_diff:.3g})")
+        problems.append(f"results differ from the original: {report.mismatch()}")
     if not report.within_budget:
         problems.append(f"measured peak {_fmt(report.measured_peak_bytes)} is over the budget {_fmt(report.budget_bytes)}")
     return not problems, "; ".join(problems)

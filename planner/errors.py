@@ -8,6 +8,7 @@ __all__ = [
     "PlannerError",
     "InputError",
     "NothingToPlanError",
+    "UnplannableError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -27,6 +28,8 @@ class InputError(ValueError):
 
 class NothingToPlanError(InputError):
     """A training step of this model saves nothing for backward (frozen, or no tensor output)."""
+class UnplannableError(InputError):
+    """A model or calling context that has no training step to plan (no_grad, an eval-mode export)."""
 
 
 class CaptureError(PlannerError):

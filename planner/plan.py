@@ -119,7 +119,7 @@ class Plan:
             ("solver", f"{self.solver} (solved in {self.solve_time_s:.2f} s)"),
             ("budget", _fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none (knee of the curve)"),
             (
-                "peak memory, no checkpointing",
+                "peak memory, model as given" if self.stats.get("own_checkpointing") else "peak memory, no checkpointing",
                 f"{_fmt_bytes(self.baseline_peak_bytes)} predicted"
                 + (f", {_fmt_bytes(self.baseline_measured_peak_bytes)} measured" if self.baseline_measured_peak_bytes else ""),
             ),
@@ -139,6 +139,8 @@ class Plan:
             ),
             ("recomputed regions", f"{len(self.regions)} ({sum(1 for r in self.regions if r.depth) } nested)"),
         ]
+        if self.stats.get("own_checkpointing"):
+            rows.insert(4, ("model's own checkpointing", f"{self.stats['own_checkpointing']} (savings are against the model as given)"))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]
@@ -286,16 +288,18 @@ class Plan:
         return self.module
 
     # -- in place ------------------------------------------------------------
-    def apply(self, model: torch.nn.Module) -> Any:
+    def apply(self, model: torch.nn.Module, *, allow_over_budget: bool = False) -> Any:
         """Checkpoint whole submodules of `model` in place; returns a planner.apply.Application.
 
         Same module object, same `state_dict` keys, hooks and optimizer untouched.
         Where regions do not follow module boundaries, the nearest module-level
         plan within the budget is used and the Application says how it differs.
+        When no module-level plan fits the budget, raises InfeasibleBudgetError and
+        changes nothing, unless allow_over_budget=True.
         """
         from .apply import apply_plan
 
-        return apply_plan(self, model)
+        return apply_plan(self, model, allow_over_budget=allow_over_budget)
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
         """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""

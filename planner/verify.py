@@ -39,6 +39,13 @@ class Report:
     step_time_ratio: float
     """Median step time of plan.module over the original's."""
     budget_bytes: int | None
+    differences: tuple[tuple[str, str, float], ...] = ()
+    """What differs from the original: (kind, worst name, max abs difference), kind being
+    'outputs', 'gradients' or 'buffers' (empty when the step is exact)."""
+
+    def mismatch(self) -> str:
+        """One line naming what differs (outputs, gradients, buffers), with the worst name and difference."""
+        return "; ".join(f"{kind} differ (worst {name}: max abs diff {diff:.3g})" for kind, name, diff in self.differences)
 
     @property
     def prediction_error(self) -> float:
@@ -170,7 +177,18 @@ def verify(
         ratio = _time_ratio(model, plan.module, args, kwargs, params, loss_fn, device, repeats, start)
         for p in params:
             p.grad = None
+    names = [n for n, _ in model.named_parameters()]
+    differences = tuple(
+        d
+        for d in (
+            _worst("outputs", [f"output[{i}]" for i in range(len(pytree.tree_leaves(out0)))], pytree.tree_leaves(out0), pytree.tree_leaves(out1)),
+            _worst("gradients", names, grads0, grads1),
+            _worst("buffers", [n for n, _ in model.named_buffers()], bufs0, bufs1),
+        )
+        if d is not None
+    )
     return Report(
+        differences=differences,
         measured_peak_bytes=peak,
         baseline_measured_peak_bytes=base_peak,
         predicted_peak_bytes=plan.predicted_peak_bytes,
@@ -181,6 +199,26 @@ def verify(
         step_time_ratio=ratio,
         budget_bytes=plan.budget_bytes,
     )
+
+
+def _worst(kind: str, names: list[str], a: list[Any], b: list[Any]) -> tuple[str, str, float] | None:
+    """(kind, name, max abs difference) of the worst-differing pair, or None when all are equal."""
+    worst: tuple[str, str, float] | None = None
+    if len(a) != len(b):
+        return (kind, f"{len(a)} against {len(b)} values", float("inf"))
+    for name, x, y in zip(names, a, b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape == y.shape and torch.equal(x, y):
+                continue
+            same = x.shape == y.shape and x.device.type != "meta"
+            diff = (x.double() - y.double()).abs().max().item() if same and x.numel() else float("inf")
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            diff = float("inf")  # a None gradient against a tensor, or a changed non-tensor output
+        else:
+            continue
+        if worst is None or diff > worst[2] or diff != diff:
+            worst = (kind, name, diff)
+    return worst
 
 
 def _time_ratio(model, module, args, kwargs, params, loss_fn, device, repeats, start) -> float:

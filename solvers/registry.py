@@ -48,14 +48,16 @@ class UnknownSolverError(ValueError):
 class InfeasibleBudgetError(RuntimeError):
     """No plan fits the budget; `smallest_bytes` is the smallest budget that does."""
 
-    def __init__(self, budget_bytes: int, smallest_bytes: int, solver: str, fixed_bytes: int = 0) -> None:
+    def __init__(
+        self, budget_bytes: int, smallest_bytes: int, solver: str, fixed_bytes: int = 0, detail: str = ""
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
         self.solver = solver
         super().__init__(
             f"budget {_gb(budget_bytes)} is infeasible: the smallest budget solver {solver!r} fits is "
             f"{_gb(smallest_bytes)} ({smallest_bytes} bytes, of which {_gb(fixed_bytes)} is parameters, "
-            f"inputs and optimizer state); raise the budget or reduce the batch size"
+            f"inputs and optimizer state){detail}; raise the budget or reduce the batch size"
         )
 
 
