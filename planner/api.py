@@ -158,6 +158,8 @@ class Planner:
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
         self.problem, self.dist_notes = shard_problem(problem, model, world_size=world_size, sharding=sharding)
+        self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
+        """What a loaded plan needs to re-simulate its figures (Plan.check_figures)."""
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -189,6 +191,8 @@ class Planner:
         plan = plan_from_solution(self.cost, problem, solution, cap, notes=notes + self.dist_notes, solver_options=options)
         plan.model_name = type(model).__name__
         plan.problem = problem
+        if self.sharding:
+            plan.stats["sharding"] = dict(self.sharding)
         plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
         extra = []
         if cap.builtin_checkpointing:
