@@ -211,6 +211,8 @@ class Planner:
         self.own_regions = _laminar(self.problem, spans)
         """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
         self._floors: dict[tuple, tuple[int, tuple[tuple[int, int], ...]]] = {}
+        self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
+        """What a loaded plan needs to re-simulate its figures (Plan.check_figures)."""
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -265,6 +267,8 @@ class Planner:
             plan.stats["no_checkpoint_peak_bytes"] = self.no_checkpoint_peak_bytes
         plan.model_name = type(model).__name__
         plan.problem = problem
+        if self.sharding:
+            plan.stats["sharding"] = dict(self.sharding)
         plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
         if extra:

@@ -24,6 +24,8 @@ __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
 
 SCHEMA = "ckpt-planner/plan"
 SCHEMA_VERSION = 1
+FIGURE_TOLERANCE = 0.01
+"""How far (a fraction) a loaded plan's recorded peaks may be from their re-simulation on the model."""
 
 
 @dataclass(frozen=True)
@@ -44,16 +46,42 @@ class Region:
 
 
 def graph_fingerprint(gm: fx.GraphModule, example: list[Any]) -> str:
-    """Hash of the captured graph's compute nodes, their wiring, and the input shapes."""
+    """Hash of the captured graph: compute nodes, their wiring, constant arguments, the type (and
+    settings) of every called module, and the input shapes.
+
+    Module types count: a GELU swapped for a Tanh keeps the graph's wiring and names (symbolic_trace
+    calls the module by its path) but not the memory or the gradients the plan was made for.
+    """
     items: list[Any] = []
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module", "placeholder", "get_attr"):
             target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-            items.append([n.op, n.name, str(target), [a.name for a in n.all_input_nodes]])
+            item = [n.op, n.name, str(target), [a.name for a in n.all_input_nodes]]
+            constants = [_constant(a) for a in (*n.args, *n.kwargs.values()) if not isinstance(a, fx.Node)]
+            if constants:
+                item.append(constants)
+            if n.op == "call_module":
+                try:
+                    mod = gm.get_submodule(str(n.target))
+                except AttributeError:
+                    mod = None
+                if mod is not None:
+                    item.append(f"{type(mod).__module__}.{type(mod).__qualname__}({mod.extra_repr()})")
+            items.append(item)
     for t in example:
         if isinstance(t, torch.Tensor):
             items.append([list(t.shape), str(t.dtype)])
     return hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:20]
+
+
+def _constant(value: Any) -> Any:
+    """A node's constant argument as it enters the fingerprint: scalars and strings as they are, other
+    objects (devices, dtypes, memory formats) by type, so a plan made on the meta device fits the real model."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_constant(v) if not isinstance(v, fx.Node) else "node" for v in value]
+    return type(value).__name__
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -227,7 +255,7 @@ class Plan:
                 )
                 for r in data["regions"]
             )
-            return cls(
+            plan = cls(
                 solver=str(data["solver"]),
                 budget_bytes=data["budget_bytes"],
                 baseline_peak_bytes=int(data["baseline_peak_bytes"]),
@@ -251,6 +279,8 @@ class Plan:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source}: corrupt plan file, field {e} missing or malformed") from None
+        _check_regions(data["regions"], plan.regions, plan.num_nodes, source)
+        return plan
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -267,10 +297,22 @@ class Plan:
     def rebuild(self, model: torch.nn.Module, example_inputs: Any = None) -> torch.nn.Module:
         """Build the checkpointed module for `model` (a fresh instance of the planned model).
 
-        Raises PlanMismatchError when the model's graph differs from the one the plan was made for.
+        Raises PlanMismatchError when the model's graph differs from the one the plan was made for,
+        or, for a plan loaded from a file, when its predicted figures differ from a re-simulation of
+        its regions on this model (see `check_figures`).
         """
+        from .rewrite import rewrite
+
+        cap = self._matching_capture(model, example_inputs)
+        if self.problem is None:
+            self.problem = self.check_figures(model, cap)
+        self.module = rewrite(cap.graph_module, self.spans(), model=model)
+        return self.module
+
+    def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
+        """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
         from .capture import capture, flatten_for_graph
-        from .rewrite import compute_nodes, rewrite
+        from .rewrite import compute_nodes
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
         cap = capture(model, example_inputs, method=method)
@@ -284,11 +326,55 @@ class Plan:
         for r in self.regions:
             if r.end >= len(nodes) or nodes[r.start].name != r.first_node or nodes[r.end].name != r.last_node:
                 raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
-        self.module = rewrite(cap.graph_module, self.spans(), model=model)
-        return self.module
+        return cap
+
+    def check_figures(self, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
+        """Re-profile `model` (captured as `cap`) and re-simulate this plan's regions; returns the Problem.
+
+        Raises PlanMismatchError when the recorded baseline or predicted peak differs from the
+        re-simulation by more than `rel_tol` of it: the file was edited, or the model, inputs or
+        planner changed since it was made. Bytes are compared, not times (times are measured and
+        vary; here they come from FLOPs). The optimizer state is taken from the file's breakdown
+        (which optimizer the plan assumed is not known here); sharding from its stats.
+        """
+        import dataclasses
+
+        from .distributed import shard_problem
+        from .profile import ProfileConfig, profile
+        from .solvers import simulate
+        from .solvers.problem import ProblemError
+        from .solvers.simulate import normalize_regions
+        from .state import ModelState
+
+        with ModelState(model).preserved():
+            cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True))
+        problem = cost.to_problem(name=type(model).__name__)
+        dist = self.stats.get("sharding") if isinstance(self.stats.get("sharding"), dict) else {}
+        problem, _ = shard_problem(
+            problem, model, world_size=int(dist.get("world_size", 1)), sharding=dist.get("sharding")
+        )
+        optimizer = self.baseline_breakdown.get("optimizer", self.breakdown.get("optimizer", 0))
+        problem = dataclasses.replace(problem, optimizer_bytes=int(optimizer or 0))
+        try:
+            spans = normalize_regions(problem, self.spans())
+        except ProblemError as e:
+            raise PlanMismatchError(f"plan regions do not fit this model's graph: {e}") from None
+        for name, recorded, actual in (
+            # a model that checkpoints itself records its plain step separately (its baseline is the model as given)
+            ("baseline_peak_bytes", int(self.stats.get("no_checkpoint_peak_bytes", self.baseline_peak_bytes)),
+             simulate(problem, ()).peak_bytes),
+            ("predicted_peak_bytes", self.predicted_peak_bytes, simulate(problem, spans).peak_bytes),
+        ):
+            if abs(recorded - actual) > rel_tol * max(actual, 1):
+                raise PlanMismatchError(
+                    f"plan {name}: the file says {_fmt_bytes(recorded)} ({recorded} bytes) but its regions "
+                    f"re-simulated on this model give {_fmt_bytes(actual)} ({actual} bytes); the plan was edited "
+                    "or the model or planner changed: re-plan with optimize() or `ckpt-planner plan`"
+                )
+        return problem
 
     # -- in place ------------------------------------------------------------
-    def apply(self, model: torch.nn.Module, *, allow_over_budget: bool = False) -> Any:
+    def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False) -> Any:
         """Checkpoint whole submodules of `model` in place; returns a planner.apply.Application.
 
         Same module object, same `state_dict` keys, hooks and optimizer untouched.
@@ -296,9 +382,14 @@ class Plan:
         plan within the budget is used and the Application says how it differs.
         When no module-level plan fits the budget, raises InfeasibleBudgetError and
         changes nothing, unless allow_over_budget=True.
+        A plan loaded from a file is checked against `model` first when `example_inputs`
+        are given (graph fingerprint and re-simulated figures, as in `rebuild`); without
+        them its recorded module paths are applied as they are.
         """
         from .apply import apply_plan
 
+        if self.problem is None and example_inputs is not None:
+            self.problem = self.check_figures(model, self._matching_capture(model, example_inputs))
         return apply_plan(self, model, allow_over_budget=allow_over_budget)
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
@@ -306,6 +397,37 @@ class Plan:
         from .apply import remove_checkpointing
 
         return remove_checkpointing(model)
+
+
+def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, source: str) -> None:
+    """Refuse regions a hand edit broke (one line naming the field): not integers, negative, inverted,
+    outside the graph's nodes, or overlapping without nesting. None is dropped or repaired."""
+    for i, (r, region) in enumerate(zip(raw, regions)):
+        for key in ("start", "end"):
+            value = r[key]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanFileError(f"{source}: regions[{i}].{key}: {value!r} is not an integer node index")
+            if value < 0:
+                raise PlanFileError(f"{source}: regions[{i}].{key}: {value} is negative")
+            if num_nodes > 0 and value >= num_nodes:
+                raise PlanFileError(
+                    f"{source}: regions[{i}].{key}: {value} is outside the graph's {num_nodes} nodes (num_nodes)"
+                )
+        if region.end < region.start:
+            raise PlanFileError(f"{source}: regions[{i}].end: {region.end} is before its start {region.start} (inverted)")
+    order = sorted(range(len(regions)), key=lambda i: (regions[i].start, -regions[i].end))
+    stack: list[int] = []
+    for i in order:
+        r = regions[i]
+        while stack and regions[stack[-1]].end < r.start:
+            stack.pop()
+        if stack and r.end > regions[stack[-1]].end:
+            j = stack[-1]
+            raise PlanFileError(
+                f"{source}: regions[{i}] ({r.start}..{r.end}) and regions[{j}] ({regions[j].start}..{regions[j].end}) "
+                "overlap without nesting"
+            )
+        stack.append(i)
 
 
 def _jsonable(obj: Any) -> Any:

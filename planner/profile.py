@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .backward import measure_backward, with_backward_temps
 from .capture import Capture, flatten_for_graph
-from .errors import ProfileError
+from .errors import InputError, ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import LiveMemory, storage_key
 from .rewrite import mutated_inputs, written_roots
@@ -67,6 +67,10 @@ class ProfileConfig:
     """Bytes/s assumed in meta mode (default: 2e12 for cuda, 2e10 for cpu)."""
     count_flops: bool = True
     """Record FLOPs per node with torch's FLOP counter."""
+    flop_times: bool = False
+    """Run the model (exact bytes, measured temporaries) but take each node's time from its FLOPs and
+    bytes moved (the roofline of meta mode) instead of timing it: deterministic, so that plan choices
+    do not follow timing noise (tests, re-checking a saved plan)."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -211,6 +215,12 @@ def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, f
 
 
 def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
+    if config.flop_times:
+        if not config.count_flops:
+            raise InputError("profile_config.flop_times: needs count_flops=True (FLOPs are what it times by)")
+        prof = _run_recording(gm, flat, config)
+        cost = _build(gm, flat, prof, None, method="flops", device=str(dev), config=config)
+        return with_backward_temps(cost, measure_backward(gm, prof))
     timer = CostProfiler(gm)
     if dev.type == "cuda":
         timer.sync = lambda: torch.cuda.synchronize(dev)

@@ -4,12 +4,15 @@ Small graphs: dp, ilp, greedy and uniform. Medium: dp, ilp (coarsened, with a
 time limit), greedy, uniform. Large: dp, greedy, uniform. Every plan is
 simulated; the least recompute time among those within the budget wins (ties:
 the lower peak). When none fits, the lowest simulated peak is reported.
+When every MILP backend fails, the plans of the other solvers stand and
+`stats["ilp_fallback"]` says why the MILP is missing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .ilp import ILPSolveError
 from .problem import Problem
 from .registry import SolverResult, get_solver, register
 from .simulate import simulate
@@ -52,9 +55,19 @@ def auto(
     tried: dict[str, Any] = {}
     best = None  # (fits, time, peak, name, result)
     low = None
+    failed: dict[str, str] = {}
     for name in names:
-        options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP} if name == "ilp" else {}
-        result = get_solver(name)(problem, budget_bytes, **options)
+        options: dict[str, Any] = {}
+        if name == "ilp":
+            # No fallback inside the ILP when the plans of other solvers are here already.
+            alone = all(other == "ilp" for other in names)
+            options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP, "fallback": alone}
+        try:
+            result = get_solver(name)(problem, budget_bytes, **options)
+        except ILPSolveError as e:
+            failed[name] = str(e)
+            tried[name] = {"error": str(e)}
+            continue
         sim = simulate(problem, result.regions)
         fits = sim.peak_bytes <= budget_bytes
         tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": sim.peak_bytes, "fits": fits}
@@ -66,6 +79,10 @@ def auto(
             best = (key, name, result)
         if fits and sim.recompute_time == 0:
             break  # nothing beats no recompute
-    assert best is not None
+    if best is None:
+        raise ILPSolveError("; ".join(failed.values()))  # the portfolio was the MILP alone
     _, name, result = best
-    return SolverResult(regions=result.regions, stats={"chosen": name, "tried": tried, "min_peak_bytes": low})
+    stats: dict[str, Any] = {"chosen": name, "tried": tried, "min_peak_bytes": low}
+    if "ilp" in failed:
+        stats["ilp_fallback"] = failed["ilp"]
+    return SolverResult(regions=result.regions, stats=stats)

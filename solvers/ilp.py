@@ -31,12 +31,21 @@ wrong optima on this model even when well scaled.
 Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
 every plan is checked with `simulate` on the original problem and the
 budget tightened by the excess when it does not fit.
+
+Backends: HiGHS in-process (`highspy`) when installed, else pulp's bundled
+CBC. CBC is never warm-started (`-mips`) under a time limit: CBC 2.10.3
+segfaults that way on a loaded machine. A backend that fails (an exception
+such as `pulp.PulpSolverError`, a crash of the CBC process, an undefined or
+unbounded status, values that are not a plan) is retried once with the other
+backend; when both fail, `ilp` returns the best plan of uniform, greedy and
+dp instead and says why in `stats["ilp_fallback"]` (with `fallback=False` it
+raises `ILPSolveError`, for callers such as `auto` that already hold those
+plans). A time limit that passes with no plan found is an answer, not a failure.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 import warnings
@@ -45,16 +54,23 @@ from typing import Any
 from .basic import uniform
 from .costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
 from .greedy import GreedyPlanner
+from .milp_backend import (
+    _HIGHS_ERRORS,
+    ILPBackendError,
+    ILPSolveError,
+    _backend,
+    _BackendFailure,
+    _backends,
+    _best_bound,
+    _highs_model_status,
+    default_backend,
+)
 from .problem import Node, Problem, Storage
 from .registry import SolverResult, register
 from .simulate import simulate
 from .stages import _stage_bounds
 
-__all__ = ["ilp", "coarsen", "ILPBackendError"]
-
-
-class ILPBackendError(ValueError):
-    """The MILP backend named is unknown or not installed."""
+__all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend"]
 
 
 def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, int]]]:
@@ -119,31 +135,30 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
     )
 
 
-def _backend(
-    name: str, time_limit: float | None, gap: float, log_path: str, warm: bool = False, presolve: bool = True
+def _solve_any(
+    problem: Problem,
+    budget: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    start=None,
+    presolve: bool = True,
 ):
-    import pulp
+    """`_solve_milp` with the backend asked for, then the other one if it fails; ILPSolveError if both do.
 
-    if name == "auto":
+    stats["backend_failures"] lists the failures that were retried.
+    """
+    failures: list[str] = []
+    for name in _backends(backend):
         try:
-            import highspy  # noqa: F401
-
-            name = "highs"
-        except ImportError:
-            name = "cbc"
-    if name == "cbc":
-        return "cbc", pulp.PULP_CBC_CMD(
-            msg=False, timeLimit=time_limit, gapRel=gap, logPath=log_path, threads=1, warmStart=warm
-        )
-    if name == "highs":
-        try:
-            import highspy  # noqa: F401
-        except ImportError:
-            raise ILPBackendError("backend 'highs' needs highspy: pip install highspy") from None
-        return "highs", pulp.HiGHS(
-            msg=False, timeLimit=time_limit, gapRel=gap, threads=1, warmStart=warm, presolve="on" if presolve else "off"
-        )
-    raise ILPBackendError(f"backend: {name!r} is not one of 'cbc', 'highs', 'auto'")
+            regions, stats = _solve_milp(problem, budget, name, time_limit, gap, start, presolve)
+        except _BackendFailure as e:
+            failures.append(f"{name}: {e}")
+            continue
+        if failures:
+            stats = {**stats, "backend_failures": failures}
+        return regions, stats
+    raise ILPSolveError("MILP backend failed (" + "; ".join(failures) + ")")
 
 
 def _solve_milp(
@@ -343,16 +358,26 @@ def _solve_milp(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
             name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
-            prob.solve(solver)
+            try:
+                prob.solve(solver)
+            except Exception as e:  # noqa: BLE001 - any failure of the third-party backend is retried
+                raise _BackendFailure(f"{type(e).__name__}: {str(e).strip()[:200]}") from e
         stats: dict[str, Any] = {
             "backend": name,
             "variables": len(prob.variables()),
             "constraints": prob.numConstraints(),
             "status": pulp.LpStatus[prob.status],
         }
+        if prob.status in (pulp.LpStatusUndefined, pulp.LpStatusUnbounded):
+            raise _BackendFailure(f"status {stats['status']!r}")  # the model is bounded and has a plan or none
+        highs_status = _highs_model_status(name, prob)
+        if highs_status in _HIGHS_ERRORS:
+            raise _BackendFailure(f"HiGHS model status {highs_status}")  # pulp reports these as "Not Solved"
         if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return None, stats
-        objective = pulp.value(prob.objective) or 0.0
+            return None, stats  # infeasible, or the time limit passed before any plan was found
+        objective = pulp.value(prob.objective)
+        if objective is None or objective != objective:
+            raise _BackendFailure(f"status {stats['status']!r} with no objective value")
         bound = _best_bound(name, prob, log_path, objective)
         scale = 1.0 if budget is None else tunit  # objective back in bytes-units / seconds
         stats["objective"] = objective * (unit if budget is None else scale)
@@ -363,6 +388,8 @@ def _solve_milp(
             stats["gap"] = 0.0
         stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-6)
     regions = tuple(sorted(c for c, v in x.items() if (v.value() or 0) > 0.5))
+    if any(b[0] <= a[1] for a, b in zip(regions, regions[1:])):
+        raise _BackendFailure(f"status {stats['status']!r} but overlapping regions, not a plan")
     return regions, stats
 
 
@@ -374,7 +401,7 @@ a few dozen at most."""
 def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, gap: float):
     """(peak, regions) of the least-peak plan known for `coarse`: the MILP's or a remembered one."""
     key = (coarse.fingerprint(), tuple(node.recomputable for node in coarse.nodes))
-    found, _ = _solve_milp(coarse, None, backend, time_limit, gap)
+    found, _ = _solve_any(coarse, None, backend, time_limit, gap)
     candidates = [r for r in (found, _LOWEST_PLANS.get(key)) if r is not None]
     if not candidates:
         return None, None
@@ -402,33 +429,6 @@ def _warm_start(coarse: Problem, target: int) -> tuple[tuple[int, int], ...] | N
     return None if best is None else best[1]
 
 
-def _best_bound(name: str, prob, log_path: str, objective: float) -> float | None:
-    """The solver's proven lower bound on the objective, where it tells."""
-    if name == "highs":
-        try:
-            return float(prob.solverModel.getInfo().mip_dual_bound)
-        except Exception:  # noqa: BLE001 - older highspy: no bound, gap unknown
-            return None
-    try:
-        with open(log_path) as fh:
-            text = fh.read()
-    except OSError:
-        return None
-    # CBC's closing summary: "Result - Optimal solution found" (search completed: the incumbent is proven),
-    # or "Result - Stopped on time limit" followed by "Lower bound:". The "best possible" of the progress
-    # lines is a snapshot taken during the search, stale once it completes.
-    result = re.search(r"^Result - (.*)$", text, re.MULTILINE)
-    lower = re.search(r"^Lower bound:\s+([-0-9.eE+]+)", text, re.MULTILINE)
-    if lower:
-        return float(lower.group(1))
-    if result and result.group(1).startswith("Optimal solution found"):
-        if "tolerance" not in result.group(1):
-            return objective
-        found = re.findall(r"best possible ([-0-9.eE+]+)", text)
-        return float(found[-1]) if found else None
-    return None
-
-
 def _checked_solve(
     problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool
 ) -> tuple[tuple[tuple[int, int], ...] | None, dict[str, Any]]:
@@ -442,7 +442,7 @@ def _checked_solve(
     # HiGHS presolve (1.15) returns wrong optima on this model even when it is well scaled
     # (a 7-node DAG: 10.75 s "optimal" against 6.75 s): it stays off.
     for presolve in (False,):
-        regions, stats = _solve_milp(problem, budget, backend, time_limit, gap, start, presolve)
+        regions, stats = _solve_any(problem, budget, backend, time_limit, gap, start, presolve)
         if regions is None:
             return None, stats
         problems = []
@@ -467,21 +467,55 @@ def ilp(
     problem: Problem,
     budget_bytes: int | None = None,
     *,
-    backend: str = "cbc",
+    backend: str = "auto",
     time_limit: float | None = 20.0,
     gap: float = 0.0,
     max_nodes: int = 96,
     max_retries: int = 6,
     warm_start: bool = True,
+    fallback: bool = True,
 ) -> SolverResult:
     """Least recompute time over flat region plans (exact when the graph is not coarsened).
 
-    `time_limit` bounds the whole call (every MILP solve it makes), in seconds.
+    `backend`: 'auto' (HiGHS when highspy is installed, else CBC), 'highs' or 'cbc'; a failing
+    backend is retried with the other one. `time_limit` bounds the whole call (every MILP solve
+    it makes), in seconds. When every backend fails, the best plan of uniform, greedy and dp is
+    returned (`fallback=False`: ILPSolveError is raised instead).
 
     stats: `optimal` (the MILP was solved to within `gap`), `gap` (the solver's proven relative gap),
     `exact` (not coarsened: the MILP is the simulator's model), `check_failed` (the solver's answer
-    disagreed with the cost model, see `_checked_solve`).
+    disagreed with the cost model, see `_checked_solve`), `backend_failures` (failures retried with
+    the other backend), `ilp_fallback` (why the plan comes from another solver, named in
+    `fallback_solver`).
     """
+    _backends(backend)  # an unknown or missing backend is the caller's error, never a fallback
+    try:
+        return _ilp(problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start)
+    except ILPSolveError as e:
+        if not fallback:
+            raise
+        reason = str(e)
+    from .registry import get_solver  # the portfolio runs through the registry (auto registers itself there)
+
+    result = get_solver("auto")(problem, budget_bytes, solvers=FALLBACK_SOLVERS)
+    stats = {**result.stats, "ilp_fallback": reason, "fallback_solver": result.stats.get("chosen")}
+    return SolverResult(regions=result.regions, stats=stats)
+
+
+FALLBACK_SOLVERS = ("uniform", "greedy", "dp")
+"""What `ilp` falls back to when every MILP backend fails."""
+
+
+def _ilp(
+    problem: Problem,
+    budget_bytes: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    max_nodes: int,
+    max_retries: int,
+    warm_start: bool,
+) -> SolverResult:
     n = problem.n
     if n == 0:
         return SolverResult(regions=(), stats={"nodes": 0, "coarse_nodes": 0})
@@ -528,7 +562,7 @@ def ilp(
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
         target -= peak - budget_bytes
     # Nothing fits: the lowest peak the model reaches.
-    low = lowest[1] if lowest is not None else _solve_milp(coarse, None, backend, left(), gap)[0]
+    low = lowest[1] if lowest is not None else _solve_any(coarse, None, backend, left(), gap)[0]
     if low is not None:
         low = lift(low)
         peak = simulate(problem, low).peak_bytes

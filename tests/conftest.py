@@ -1,7 +1,10 @@
+import functools
 import warnings
 
 import pytest
 import torch
+from ckpt_planner import api
+from ckpt_planner.profile import ProfileConfig
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -14,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def flop_times_by_default():
+    """Plans made with the default profile (the CLI's commands, the README's examples) take node times
+    from FLOPs in the tests: measured times follow the machine's load, and so would the plans (uniform's
+    segments, the infeasible budgets a solver names). Tests of timing itself pass their own ProfileConfig."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(api, "ProfileConfig", functools.partial(ProfileConfig, flop_times=True))
+        yield

@@ -19,7 +19,7 @@ from ckpt_planner.distributed import shard_problem
 
 from tests.models import LOCAL
 
-FAST = ProfileConfig(warmup=0, repeats=1)
+FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 WORLD = 2
 TIMEOUT_S = 240  # a hang fails the test instead of blocking the run
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # allreduce averages in another order: last bits differ

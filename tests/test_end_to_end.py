@@ -18,7 +18,7 @@ from ckpt_planner import (
 
 from tests.models import ALL, LOCAL
 
-FAST = ProfileConfig(warmup=0, repeats=1)
+FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 
 
 def midway_plan(model, inputs, frac=0.5):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from ckpt_planner.api import Planner
 from ckpt_planner.capture import capture
+from ckpt_planner.profile import ProfileConfig
 from ckpt_planner.rewrite import compute_nodes, rewrite, safe_regions
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.verify import default_loss
@@ -29,6 +30,7 @@ rewrite_mod = importlib.import_module("ckpt_planner.rewrite")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 METHODS = ["symbolic_trace", "export"]
+FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -89,7 +91,7 @@ def compare(model, module, inputs, **kw) -> tuple[bool, bool, bool]:
 
 def checkpointed(model, inputs, method="auto", regions=None):
     """(capture, module) with `regions`, by default every maximal run of recomputable nodes."""
-    planner = Planner(model, inputs, capture_method=method)
+    planner = Planner(model, inputs, capture_method=method, profile_config=FLOPS)
     if regions is None:
         regions = segment_runs(planner.problem)
     assert regions, "the test needs at least one region"
@@ -258,7 +260,7 @@ class WritesInput(nn.Module):
 
 def test_write_into_graph_input_not_recomputable():
     model, x = WritesInput(), torch.randn(4, 8)
-    planner = Planner(model, x.clone(), capture_method="export")
+    planner = Planner(model, x.clone(), capture_method="export", profile_config=FLOPS)
     gm = planner.capture.graph_module
     writers = [i for i, n in enumerate(compute_nodes(gm.graph)) if rewrite_mod.written_roots(gm, n)]
     assert writers and all(not planner.problem.nodes[i].recomputable for i in writers)
@@ -269,7 +271,7 @@ def test_inplace_unet_plan_exact():
 
     torch.manual_seed(0)
     model, x = UNet(c=4, levels=2), torch.randn(2, 3, 16, 16)
-    planner = Planner(model, x)
+    planner = Planner(model, x, profile_config=FLOPS)
     plan = planner.plan(solver="uniform", budget_bytes=planner.baseline_peak_bytes - 1)
     assert plan.regions
     assert compare(model, plan.module, x) == (True, True, True)
@@ -404,7 +406,7 @@ def gpt2_checkpointing():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable()
-    planner = Planner(model, inputs)
+    planner = Planner(model, inputs, profile_config=FLOPS)
     plan = planner.plan(solver="uniform", budget_bytes=planner.baseline_peak_bytes - 1)
     return model, inputs, plan
 

@@ -34,6 +34,7 @@ def test_stored_without_outputs(name):
     assert all(not c.get("outputs") and c.get("execution_count") is None for c in code)
 
 
+@pytest.mark.slow  # a kernel per notebook, every cell run: minutes on 2 cores
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_notebook_executes(name, monkeypatch):
     nb = _read(name)

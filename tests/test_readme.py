@@ -21,6 +21,7 @@ def test_readme_has_runnable_examples() -> None:
     assert len(_examples()) >= 2
 
 
+@pytest.mark.slow  # each example plans (solver auto: the whole portfolio) and trains a model: minutes on 2 cores
 @pytest.mark.parametrize("index", range(len(_examples())))
 def test_readme_example_trains(index: int) -> None:
     code = _examples()[index]

@@ -16,11 +16,13 @@ import warnings
 
 import pytest
 from ckpt_planner.api import Planner
+from ckpt_planner.profile import ProfileConfig
 
 from tests.zoo_models import ZOO, build, run_case, solver_names
 
 FRACTIONS = (0.5, 0.25)
-SLOW = {"gpt2", "llama", "t5", "swin", "whisper", "mixtral"}  # the largest graphs: capture dominates
+SLOW = {"gpt2", "llama", "t5", "swin", "whisper", "mixtral", "bert"}  # the largest graphs: capture dominates
+FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 OPTIONS = {"ilp": {"time_limit": 2.0}, "auto": {"time_limit": 2.0}}  # seconds per MILP solve, for test time
 
 _planners: dict[str, tuple] = {}
@@ -31,7 +33,7 @@ def _planned(name: str):
         model, inputs = build(name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _planners[name] = (model, inputs, Planner(model, inputs), {})
+            _planners[name] = (model, inputs, Planner(model, inputs, profile_config=FLOPS), {})
     return _planners[name]
 
 

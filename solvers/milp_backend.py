@@ -1,0 +1,114 @@
+"""The MILP backends of `ilp`: HiGHS in-process (highspy) or pulp's bundled CBC.
+
+Which backend runs, how each is configured, how a failure is told apart from an
+answer, and the proven bound each reports. CBC 2.10.3 segfaults when
+warm-started (`-mips`) with a time limit (`-sec`) on a loaded machine, so it is
+never warm-started under a time limit. HiGHS runs in the process: no
+subprocess to crash.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["ILPBackendError", "ILPSolveError", "default_backend"]
+
+
+class ILPBackendError(ValueError):
+    """The MILP backend named is unknown or not installed."""
+
+
+class ILPSolveError(RuntimeError):
+    """Every MILP backend failed (crashed, raised, or answered something that is not a plan)."""
+
+
+class _BackendFailure(Exception):
+    """One backend's solve failed; the message says how."""
+
+
+def _highs_available() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend() -> str:
+    """'highs' when highspy is installed (in-process, no subprocess to crash), else 'cbc'."""
+    return "highs" if _highs_available() else "cbc"
+
+
+def _backends(backend: str) -> list[str]:
+    """The backends to try, in order: the one asked for, then the other one when it is installed."""
+    if backend == "auto":
+        backend = default_backend()
+    if backend == "highs" and not _highs_available():
+        raise ILPBackendError("backend 'highs' needs highspy: pip install highspy")
+    if backend not in ("cbc", "highs"):
+        raise ILPBackendError(f"backend: {backend!r} is not one of 'cbc', 'highs', 'auto'")
+    other = "cbc" if backend == "highs" else "highs"
+    return [backend] + ([other] if other == "cbc" or _highs_available() else [])
+
+
+def _backend(
+    name: str, time_limit: float | None, gap: float, log_path: str, warm: bool = False, presolve: bool = True
+):
+    """(name, pulp solver) for backend 'cbc' or 'highs'."""
+    import pulp
+
+    if name == "cbc":
+        # CBC 2.10.3 segfaults when warm-started (-mips) with a time limit (-sec) on a loaded machine.
+        return "cbc", pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=time_limit,
+            gapRel=gap,
+            logPath=log_path,
+            threads=1,
+            warmStart=warm and time_limit is None,
+        )
+    if name == "highs":
+        return "highs", pulp.HiGHS(
+            msg=False, timeLimit=time_limit, gapRel=gap, threads=1, warmStart=warm, presolve="on" if presolve else "off"
+        )
+    raise ILPBackendError(f"backend: {name!r} is not one of 'cbc', 'highs', 'auto'")
+
+
+_HIGHS_ERRORS = frozenset({"kLoadError", "kModelError", "kPresolveError", "kSolveError", "kPostsolveError"})
+
+
+def _highs_model_status(name: str, prob) -> str | None:
+    """HiGHS's own model status ('kOptimal', 'kTimeLimit', 'kSolveError'...), where there is one."""
+    if name != "highs":
+        return None
+    try:
+        return str(prob.solverModel.getModelStatus()).rsplit(".", 1)[-1]
+    except Exception:  # noqa: BLE001 - no solver model (a stand-in backend): nothing more to tell
+        return None
+
+
+def _best_bound(name: str, prob, log_path: str, objective: float) -> float | None:
+    """The solver's proven lower bound on the objective, where it tells."""
+    if name == "highs":
+        try:
+            return float(prob.solverModel.getInfo().mip_dual_bound)
+        except Exception:  # noqa: BLE001 - older highspy: no bound, gap unknown
+            return None
+    try:
+        with open(log_path) as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    # CBC's closing summary: "Result - Optimal solution found" (search completed: the incumbent is proven),
+    # or "Result - Stopped on time limit" followed by "Lower bound:". The "best possible" of the progress
+    # lines is a snapshot taken during the search, stale once it completes.
+    result = re.search(r"^Result - (.*)$", text, re.MULTILINE)
+    lower = re.search(r"^Lower bound:\s+([-0-9.eE+]+)", text, re.MULTILINE)
+    if lower:
+        return float(lower.group(1))
+    if result and result.group(1).startswith("Optimal solution found"):
+        if "tolerance" not in result.group(1):
+            return objective
+        found = re.findall(r"best possible ([-0-9.eE+]+)", text)
+        return float(found[-1]) if found else None
+    return None
