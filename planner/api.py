@@ -15,6 +15,7 @@ from .graph import CostGraph
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
+from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
@@ -73,6 +74,7 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     safety_margin: float = 0.02,
+    on_larger_shape: str = "error",
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -92,6 +94,9 @@ def optimize(
     activation part for what the simulator does not see (the allocator's
     rounding on a GPU, kernels that pick other workspaces at other sizes). The model is left
     as it was found.
+    The example inputs are the largest shape: plan.module runs any smaller batch or sequence
+    length with the same plan; a larger one raises ShapeError, or with on_larger_shape='replan'
+    is planned again at its shape (same budget and settings, cached per shape).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
@@ -112,6 +117,7 @@ def optimize(
         solver=solver,
         solver_options=solver_options,
         safety_margin=safety_margin,
+        on_larger_shape=on_larger_shape,
     )
 
 
@@ -154,6 +160,10 @@ class Planner:
             self.capture = capture(model, example_inputs, method=capture_method)
             self.cost = profile(self.capture, config)
         self.model = model
+        self._settings = dict(
+            device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
+            world_size=world_size, sharding=sharding,
+        )
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
@@ -172,8 +182,11 @@ class Planner:
         solver: str = "auto",
         solver_options: dict[str, Any] | None = None,
         safety_margin: float = 0.02,
+        on_larger_shape: str = "error",
     ) -> Plan:
-        """Solve for one budget and build the checkpointed module."""
+        """Solve for one budget and build the checkpointed module (see `optimize()` for the arguments)."""
+        if on_larger_shape not in ON_LARGER_SHAPE:
+            raise InputError(f"on_larger_shape: {on_larger_shape!r} is not one of {', '.join(ON_LARGER_SHAPE)}")
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
         solvers.get_solver(solver)
         problem, cap, model = self.problem, self.capture, self.model
@@ -198,9 +211,32 @@ class Planner:
                 "this plan replaces that checkpointing (plan.module does not use it, the model keeps it)"
             )
         extra.extend(getattr(plan.module, "rewrite_notes", ()))
+        extra.append(self._guard_shapes(plan.module, on_larger_shape, dict(
+            budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+            solver_options=solver_options, safety_margin=safety_margin,
+        )))
         if extra:
             plan.notes = tuple(plan.notes) + tuple(extra)
         return plan
+
+
+    def _guard_shapes(self, module: torch.nn.Module, on_larger_shape: str, plan_args: dict[str, Any]) -> str:
+        """Attach the ShapeGuard to the checkpointed module; return the summary's note about shapes."""
+        cap, model, settings = self.capture, self.model, self._settings
+
+        def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+            if args and kwargs:
+                raise InputError("inputs: a call with both positional and keyword tensors cannot be re-planned")
+            planner = Planner(model, dict(kwargs) if kwargs else tuple(args), **settings)
+            return planner.plan(**plan_args, on_larger_shape="error").module
+
+        planned = input_shapes(cap.args, cap.kwargs)
+        guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
+        object.__setattr__(module, "shape_guard", guard)
+        larger = "re-planned per shape" if on_larger_shape == "replan" else "raise ShapeError"
+        if not cap.dynamic_dims:
+            return f"planned for inputs {planned}; the capture pinned every dimension, so any other shape is re-planned"
+        return f"planned for inputs {planned}: smaller shapes run this plan, larger ones {larger}"
 
 
 def _solve(

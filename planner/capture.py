@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError
+from .shapes import export_dynamic
 from .state import ModelState
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
@@ -44,6 +45,9 @@ class Capture:
     """Module paths whose own checkpointing (HF `gradient_checkpointing_enable()`, timm
     `grad_checkpointing`, densenet `memory_efficient`) was switched off for the capture, so the
     graph holds the plain computation and a plan replaces that checkpointing instead of stacking on it."""
+    dynamic_dims: bool = True
+    """The graph takes other input sizes (symbolic_trace, or export with dynamic dimensions); False when
+    export had to pin every dimension to the example's (see shapes.py)."""
 
 
 def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -185,7 +189,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
 
     try:
         with ModelState(model).preserved(), _autograd_functions(note):
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep, dynamic = export_dynamic(model, args, kwargs)
         if seen:
             raise CaptureError(
                 f"cannot capture {type(model).__name__}: symbolic_trace: {reason}; torch.export traces into "
@@ -194,7 +198,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
             )
         gm = ep.module()
         _rebind_state(gm, model)
-        return Capture(gm, "export", reason, args, kwargs, builtin)
+        return Capture(gm, "export", reason, args, kwargs, builtin, dynamic_dims=dynamic)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - reported with both causes
