@@ -31,6 +31,7 @@ _EXPORTS = {
     "CostGraph": "graph",
     "PlannerError": "errors",
     "InputError": "errors",
+    "ShapeError": "errors",
     "CaptureError": "errors",
     "ProfileError": "errors",
     "PlanFileError": "errors",
@@ -52,6 +53,7 @@ __all__ = [
     "CostGraph",
     "PlannerError",
     "InputError",
+    "ShapeError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -98,6 +100,7 @@ if TYPE_CHECKING:
         PlanMismatchError,
         PlannerError,
         ProfileError,
+        ShapeError,
         UnknownSolverError,
     )
     from .graph import CostGraph

@@ -11,6 +11,7 @@ from . import solvers
 from .capture import capture, flatten_for_graph
 from .distributed import check_sharding, shard_problem
 from .errors import InputError
+from .exported import accept_exported
 from .graph import CostGraph
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
@@ -59,7 +60,7 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
 
 
 def optimize(
-    model: torch.nn.Module,
+    model: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any = None,
     *,
     budget_gb: float | None = None,
@@ -78,9 +79,10 @@ def optimize(
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
+    model: an nn.Module, a torch.export ExportedProgram or its `.module()`.
     example_inputs: a tuple of positional args, a dict of kwargs, or one tensor
-    (default: `model.example_input_array`). The budget is the peak memory of
-    one forward + backward: parameters, gradients, activations, temporaries,
+    (default: `model.example_input_array`, or an ExportedProgram's own example inputs).
+    The budget is the peak memory of one forward + backward: parameters, gradients, activations, temporaries,
     plus optimizer state when `optimizer` names one. With no budget, the plan
     is the fastest one that saves memory down to the knee of the trade-off curve.
     device='meta' (or a model on the meta device) plans on fake tensors without
@@ -153,6 +155,9 @@ class Planner:
         sharding: str | None = None,
     ) -> None:
         check_sharding(world_size, sharding)
+        model, example_inputs, exported = accept_exported(model, example_inputs)
+        if exported and capture_method == "auto":
+            capture_method = "export"
         config = profile_config or ProfileConfig()
         if device is not None and torch.device(device).type == "meta":
             config = ProfileConfig(**{**config.__dict__, "meta": True})

@@ -7,6 +7,7 @@ from .solvers.registry import InfeasibleBudgetError, UnknownSolverError
 __all__ = [
     "PlannerError",
     "InputError",
+    "ShapeError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -22,6 +23,10 @@ class PlannerError(RuntimeError):
 
 class InputError(ValueError):
     """A bad argument or input (shape, dtype, budget, path); the message names it."""
+
+
+class ShapeError(InputError):
+    """An input larger than the shape the plan was made for; the message names both."""
 
 
 class CaptureError(PlannerError):

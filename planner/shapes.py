@@ -24,15 +24,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import InputError
+from .errors import InputError, ShapeError
 
 __all__ = ["ShapeError", "ShapeGuard", "InputShapes", "input_shapes", "dynamic_shapes_for", "export_dynamic", "ON_LARGER_SHAPE"]
 
 ON_LARGER_SHAPE = ("error", "replan")
-
-
-class ShapeError(InputError):
-    """An input larger than the shape the plan was made for."""
 
 
 @dataclass(frozen=True)
