@@ -10,9 +10,10 @@ import torch
 from . import solvers
 from .capture import capture, flatten_for_graph
 from .distributed import check_sharding, shard_problem
-from .errors import InputError
+from .errors import CaptureError, InputError
 from .exported import accept_exported
 from .graph import CostGraph
+from .partial import PartialPlanner
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
@@ -76,6 +77,7 @@ def optimize(
     sharding: str | None = None,
     safety_margin: float = 0.02,
     on_larger_shape: str = "error",
+    partial: bool = True,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -99,19 +101,36 @@ def optimize(
     The example inputs are the largest shape: plan.module runs any smaller batch or sequence
     length with the same plan; a larger one raises ShapeError, or with on_larger_shape='replan'
     is planned again at its shape (same budget and settings, cached per shape).
+    partial (default True): when the whole model cannot be captured, plan its largest
+    capturable submodules and run the rest eagerly (see planner/partial.py; the plan's
+    notes name what was left out and what it costs).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
-    planner = Planner(
-        model,
-        example_inputs,
-        device=device,
-        optimizer=optimizer,
-        capture_method=capture_method,
-        profile_config=profile_config,
-        world_size=world_size,
-        sharding=sharding,
-    )
+    try:
+        planner = Planner(
+            model,
+            example_inputs,
+            device=device,
+            optimizer=optimizer,
+            capture_method=capture_method,
+            profile_config=profile_config,
+            world_size=world_size,
+            sharding=sharding,
+        )
+    except CaptureError as e:
+        if not partial or world_size != 1 or (device is not None and torch.device(device).type == "meta"):
+            raise
+        with ModelState(model).preserved():
+            part = PartialPlanner(
+                model, example_inputs, reason=str(e), optimizer_bytes=optimizer_state_bytes(model, optimizer),
+                capture_method=capture_method, profile_config=profile_config,
+            )
+        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        if activation_budget is not None:
+            budget = int(part.problem.fixed_bytes + activation_budget * (part.baseline_peak_bytes - part.problem.fixed_bytes))
+        solution, notes = _solve(part.problem, budget, solver, dict(solver_options or {}), safety_margin)
+        return part.plan(solution, notes)
     return planner.plan(
         budget_gb=budget_gb,
         budget_bytes=budget_bytes,

@@ -119,9 +119,11 @@ class CheckpointedModule(fx.GraphModule):
         model = self.__dict__.get("_original")
         if self.training or model is None:
             guard = self.__dict__.get("shape_guard")  # shapes.ShapeGuard: inputs above the planned shape
-            other = guard.module_for(args, kwargs) if guard is not None else None
-            if other is not None:
-                return other(*args, **kwargs)
+            if guard is not None:
+                args, kwargs = guard.bind(args, kwargs)
+                other = guard.module_for(args, kwargs)
+                if other is not None:
+                    return other(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         modes = [(m, m.training) for m in model.modules()]
         model.eval()

@@ -16,12 +16,17 @@ is planned again the same way, whatever the setting.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import io
+import logging
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from .errors import InputError, ShapeError
@@ -89,12 +94,34 @@ def export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
         dynamic = dynamic_shapes_for(model, args, kwargs)
     except TypeError:  # a forward whose signature the inputs do not bind to: let export report it
         dynamic = None
-    if dynamic is not None:
-        try:
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic), True
-        except Exception:  # noqa: BLE001 - any failure: the static export below reports its own
-            pass
-    return torch.export.export(model, args, kwargs, strict=False), False
+    with _quiet_symbolic_shapes():
+        if dynamic is not None:
+            try:
+                return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic), True
+            except GuardOnDataDependentSymNode:
+                raise  # branching on tensor values: static sizes would not help
+            except Exception:  # noqa: BLE001 - any other failure: the static export below reports its own
+                pass
+        return torch.export.export(model, args, kwargs, strict=False), False
+
+
+@contextlib.contextmanager
+def _quiet_symbolic_shapes() -> Iterator[None]:
+    """On a data-dependent failure torch logs a warning and prints the partial graph to stderr; the
+    CaptureError says what failed, so both are dropped then (what a successful export writes is kept)."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        raise
+    else:
+        sys.stderr.write(held.getvalue())
+    finally:
+        logger.setLevel(level)
 
 
 class ShapeGuard:
@@ -111,6 +138,7 @@ class ShapeGuard:
         replan: Callable[[tuple, dict[str, Any]], torch.nn.Module] | None,
         *,
         dynamic_dims: bool = True,
+        signature: inspect.Signature | None = None,
     ) -> None:
         if on_larger_shape not in ON_LARGER_SHAPE:
             raise InputError(f"on_larger_shape: {on_larger_shape!r} is not one of {', '.join(ON_LARGER_SHAPE)}")
@@ -118,9 +146,20 @@ class ShapeGuard:
         self.on_larger_shape = on_larger_shape
         self._replan = replan
         self.dynamic_dims = dynamic_dims
+        self.signature = signature
+        """Set for a captured submodule (partial.py): calls are passed by keyword, as it was captured."""
         """False: the graph takes only the planned shape; any other is planned again."""
         self.replanned: dict[InputShapes, torch.nn.Module] = {}
         """Checkpointed modules planned for other shapes, by shape."""
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The call as the graph takes it: by keyword when the capture was made that way."""
+        if self.signature is None:
+            return args, kwargs
+        try:
+            return (), dict(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError as e:
+            raise InputError(f"inputs: the call does not match the captured forward {self.signature}: {e}") from None
 
     def module_for(self, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module | None:
         """None to run the planned module; else the module planned for this call's shape."""
