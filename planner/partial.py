@@ -297,7 +297,8 @@ class PartialPlanner:
     def notes(self) -> tuple[str, ...]:
         shown = ", ".join(self.left_out[:8]) + (f" ... {len(self.left_out) - 8} more" if len(self.left_out) > 8 else "")
         return (
-            f"the whole model could not be captured ({_short(self.reason)}); planned {len(self.pieces)} captured "
+            "the whole model could not be captured" + (f" ({_short(self.reason)})" if self.reason else "")
+            + f"; planned {len(self.pieces)} captured "
             f"submodules: {', '.join(p.path for p in self.pieces)}",
             f"left out, run eagerly: {shown}; their saved activations ({self.eager_saved_bytes / 1e6:.2f} MB), "
             f"their parameters' gradients and the captured pieces' inputs and outputs "
