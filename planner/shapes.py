@@ -172,9 +172,10 @@ class ShapeGuard:
         if not over:
             return None if self.dynamic_dims else self.rebuilt(shapes, args, kwargs)
         if self.on_larger_shape != "replan" or self._replan is None:
+            hint = "pass on_larger_shape='replan' to optimize()" if self._replan is not None else "plan it again"
             raise ShapeError(
                 f"input shape: {'; '.join(over)} is larger than the plan was made for ({self.planned}); "
-                "plan with the largest inputs, or pass on_larger_shape='replan' to optimize()"
+                f"plan with the largest inputs, or {hint}"
             )
         return self.rebuilt(shapes, args, kwargs)
 
