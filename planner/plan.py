@@ -283,6 +283,10 @@ class Plan:
             if r.end >= len(nodes) or nodes[r.start].name != r.first_node or nodes[r.end].name != r.last_node:
                 raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
         self.module = rewrite(cap.graph_module, self.spans(), model=model)
+        from .shapes import ShapeGuard, input_shapes
+
+        guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
+        object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
         return self.module
 
     # -- in place ------------------------------------------------------------

@@ -174,3 +174,14 @@ def test_exported_program_and_its_module_are_accepted(tmp_path, given):
     assert report.measured_peak_bytes <= plan.budget_bytes < report.baseline_measured_peak_bytes
     module.eval()  # the refusing overrides are gone
     assert not module.training
+
+
+def test_rebuilt_plan_keeps_the_shape_check(tmp_path):
+    torch.manual_seed(0)
+    model, x = ResidualCNN(c=8, blocks=3), torch.randn(8, 3, 32, 32)
+    plan = midway(Planner(model, (x,), profile_config=FAST))
+    loaded = type(plan).load(plan.save(tmp_path / "plan.json"))
+    loaded.rebuild(model, (x,))
+    check_exact_within_budget(model, loaded, (torch.randn(4, 3, 24, 24),), saves=False)
+    with pytest.raises(ShapeError, match=r"args\[0\] \[9, 3, 32, 32\]"):
+        loaded.module(torch.randn(9, 3, 32, 32))
