@@ -33,6 +33,7 @@ _EXPORTS = {
     "InputError": "errors",
     "NothingToPlanError": "errors",
     "UnplannableError": "errors",
+    "ShapeError": "errors",
     "CaptureError": "errors",
     "ProfileError": "errors",
     "PlanFileError": "errors",
@@ -56,6 +57,7 @@ __all__ = [
     "InputError",
     "NothingToPlanError",
     "UnplannableError",
+    "ShapeError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:
         PlanMismatchError,
         PlannerError,
         ProfileError,
+        ShapeError,
         UnknownSolverError,
         UnplannableError,
     )

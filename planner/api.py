@@ -11,12 +11,15 @@ from . import solvers
 from .budget import floor_plan, inner_budget, peak_detail, smallest_budget
 from .capture import capture, flatten_for_graph
 from .distributed import check_sharding, shard_problem
-from .errors import InputError, UnplannableError
+from .errors import CaptureError, InputError, UnplannableError
+from .exported import accept_exported
 from .graph import CostGraph
 from .own_checkpoint import own_spans
+from .partial import PartialPlanner
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
+from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
@@ -60,7 +63,7 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
 
 
 def optimize(
-    model: torch.nn.Module,
+    model: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any = None,
     *,
     budget_gb: float | None = None,
@@ -76,12 +79,15 @@ def optimize(
     sharding: str | None = None,
     safety_margin: float = 0.02,
     own_checkpointing: str = "replace",
+    on_larger_shape: str = "error",
+    partial: bool = True,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
+    model: an nn.Module, a torch.export ExportedProgram or its `.module()`.
     example_inputs: a tuple of positional args, a dict of kwargs, or one tensor
-    (default: `model.example_input_array`). The budget is the peak memory of
-    one forward + backward: parameters, gradients, activations, temporaries,
+    (default: `model.example_input_array`, or an ExportedProgram's own example inputs).
+    The budget is the peak memory of one forward + backward: parameters, gradients, activations, temporaries,
     plus optimizer state when `optimizer` names one. With no budget, the plan
     is the fastest one that saves memory down to the knee of the trade-off curve.
     device='meta' (or a model on the meta device) plans on fake tensors without
@@ -114,21 +120,41 @@ def optimize(
     Called under torch.no_grad() or torch.inference_mode(), or on an eval-mode
     export, it raises UnplannableError: there is no training step to plan.
     The model is left as it was found.
+    The example inputs are the largest shape: plan.module runs any smaller batch or sequence
+    length with the same plan; a larger one raises ShapeError, or with on_larger_shape='replan'
+    is planned again at its shape (same budget and settings, cached per shape).
+    partial (default True): when the whole model cannot be captured, plan its largest
+    capturable submodules and run the rest eagerly (see planner/partial.py; the plan's
+    notes name what was left out and what it costs).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
     if own_checkpointing not in OWN_CHECKPOINTING:
         raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
-    planner = Planner(
-        model,
-        example_inputs,
-        device=device,
-        optimizer=optimizer,
-        capture_method=capture_method,
-        profile_config=profile_config,
-        world_size=world_size,
-        sharding=sharding,
-    )
+    try:
+        planner = Planner(
+            model,
+            example_inputs,
+            device=device,
+            optimizer=optimizer,
+            capture_method=capture_method,
+            profile_config=profile_config,
+            world_size=world_size,
+            sharding=sharding,
+        )
+    except CaptureError as e:
+        if not partial or world_size != 1 or (device is not None and torch.device(device).type == "meta"):
+            raise
+        with ModelState(model).preserved():
+            part = PartialPlanner(
+                model, example_inputs, reason=str(e), optimizer_bytes=optimizer_state_bytes(model, optimizer),
+                capture_method=capture_method, profile_config=profile_config,
+            )
+        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        if activation_budget is not None:
+            budget = int(part.problem.fixed_bytes + activation_budget * (part.baseline_peak_bytes - part.problem.fixed_bytes))
+        solution, notes = _solve_partial(part.problem, budget, solver, dict(solver_options or {}), safety_margin)
+        return part.plan(solution, notes)
     return planner.plan(
         budget_gb=budget_gb,
         budget_bytes=budget_bytes,
@@ -137,6 +163,7 @@ def optimize(
         solver_options=solver_options,
         safety_margin=safety_margin,
         own_checkpointing=own_checkpointing,
+        on_larger_shape=on_larger_shape,
     )
 
 
@@ -190,6 +217,9 @@ class Planner:
     ) -> None:
         _refuse_grad_mode()
         check_sharding(world_size, sharding)
+        model, example_inputs, exported = accept_exported(model, example_inputs)
+        if exported and capture_method == "auto":
+            capture_method = "export"
         config = profile_config or ProfileConfig()
         if device is not None and torch.device(device).type == "meta":
             config = ProfileConfig(**{**config.__dict__, "meta": True})
@@ -197,6 +227,10 @@ class Planner:
             self.capture = capture(model, example_inputs, method=capture_method)
             self.cost = profile(self.capture, config)
         self.model = model
+        self._settings = dict(
+            device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
+            world_size=world_size, sharding=sharding,
+        )
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
@@ -233,9 +267,12 @@ class Planner:
         solver: str = "auto",
         solver_options: dict[str, Any] | None = None,
         safety_margin: float = 0.02,
+        on_larger_shape: str = "error",
         own_checkpointing: str = "replace",
     ) -> Plan:
-        """Solve for one budget and build the checkpointed module (see `optimize`)."""
+        """Solve for one budget and build the checkpointed module (see `optimize()` for the arguments)."""
+        if on_larger_shape not in ON_LARGER_SHAPE:
+            raise InputError(f"on_larger_shape: {on_larger_shape!r} is not one of {', '.join(ON_LARGER_SHAPE)}")
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
         if own_checkpointing not in OWN_CHECKPOINTING:
             raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
@@ -271,6 +308,10 @@ class Planner:
             plan.stats["sharding"] = dict(self.sharding)
         plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
+        extra += (self._guard_shapes(plan.module, on_larger_shape, dict(
+            budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+            solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+        )),)
         if extra:
             plan.notes = tuple(plan.notes) + extra
         return plan
@@ -296,6 +337,25 @@ class Planner:
                 f"({', '.join(dict.fromkeys(self.own_unplaced))}): the baseline counts them as not checkpointed"
             )
         return notes
+
+    def _guard_shapes(self, module: torch.nn.Module, on_larger_shape: str, plan_args: dict[str, Any]) -> str:
+        """Attach the ShapeGuard to the checkpointed module; return the summary's note about shapes."""
+        cap, model, settings = self.capture, self.model, self._settings
+
+        def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+            if args and kwargs:
+                raise InputError("inputs: a call with both positional and keyword tensors cannot be re-planned")
+            planner = Planner(model, dict(kwargs) if kwargs else tuple(args), **settings)
+            return planner.plan(**plan_args, on_larger_shape="error").module
+
+        planned = input_shapes(cap.args, cap.kwargs)
+        guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
+        object.__setattr__(module, "shape_guard", guard)
+        larger = "re-planned per shape" if on_larger_shape == "replan" else "raise ShapeError"
+        if not cap.dynamic_dims:
+            return f"planned for inputs {planned}; the capture pinned every dimension, so any other shape is re-planned"
+        return f"planned for inputs {planned}: smaller shapes run this plan, larger ones {larger}"
+
 
     # -- solving, with every plan re-simulated after its last change ----------------------------
     def _finish(self, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...], list[str]]:
@@ -501,3 +561,24 @@ def _collapse(paths: list[str], limit: int = 8) -> list[str]:
         if not any(p == q or p.startswith(q + ".") for q in out):
             out = [q for q in out if not q.startswith(p + ".")] + [p]
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
+
+
+def _solve_partial(
+    problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float
+) -> tuple[Solution, list[str]]:
+    """Solve a partially captured model's joined problem: no-op when it fits, the margin as for a whole graph,
+    and an infeasible budget named from bytes (budget.py)."""
+    if budget is None:
+        return _solve_unbudgeted(problem, solver, options)
+    plain_peak = simulate(problem, ()).peak_bytes
+    if plain_peak <= budget:
+        note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
+        return _with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
+    fixed = problem.fixed_bytes
+    inner = inner_budget(budget, fixed, margin)
+    try:
+        solution = solvers.solve(problem, inner, solver, **options)
+    except solvers.InfeasibleBudgetError as e:
+        smallest = min(plain_peak, smallest_budget(e.smallest_bytes, fixed, margin))
+        raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed) from None
+    return _with_regions(problem, solution, solution.regions, budget, {"planned_for_bytes": inner}), []

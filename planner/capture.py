@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from .errors import CaptureError, InputError
 from .export_exact import match_eager_attention, recording_mask_skips
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
+from .shapes import export_dynamic
 from .state import ModelState
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
@@ -50,6 +51,9 @@ class Capture:
     own_checkpoints: tuple[OwnCheckpoint, ...] = ()
     """The model's own `torch.utils.checkpoint` calls (direct or through a library flag), which the
     graph inlines; with the nodes each covered where symbolic_trace recorded them."""
+    dynamic_dims: bool = True
+    """The graph takes other input sizes (symbolic_trace, or export with dynamic dimensions); False when
+    export had to pin every dimension to the example's (see shapes.py)."""
 
 
 def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -210,7 +214,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
 
     try:
         with ModelState(model).preserved(), _autograd_functions(note), recording_mask_skips() as skips:
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            ep, dynamic = export_dynamic(model, args, kwargs)
         if seen:
             raise CaptureError(
                 f"cannot capture {type(model).__name__}: symbolic_trace: {reason}; torch.export traces into "
@@ -220,7 +224,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
         gm = ep.module()
         _rebind_state(gm, model)
         match_eager_attention(gm, model, skips)  # the attention kernels eager runs (export_exact.py)
-        return Capture(gm, "export", reason, args, kwargs, builtin)
+        return Capture(gm, "export", reason, args, kwargs, builtin, dynamic_dims=dynamic)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - reported with both causes

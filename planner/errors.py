@@ -9,6 +9,7 @@ __all__ = [
     "InputError",
     "NothingToPlanError",
     "UnplannableError",
+    "ShapeError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -28,8 +29,14 @@ class InputError(ValueError):
 
 class NothingToPlanError(InputError):
     """A training step of this model saves nothing for backward (frozen, or no tensor output)."""
+
+
 class UnplannableError(InputError):
     """A model or calling context that has no training step to plan (no_grad, an eval-mode export)."""
+
+
+class ShapeError(InputError):
+    """An input larger than the shape the plan was made for; the message names both."""
 
 
 class CaptureError(PlannerError):

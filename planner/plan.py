@@ -307,6 +307,10 @@ class Plan:
         if self.problem is None:
             self.problem = self.check_figures(model, cap)
         self.module = rewrite(cap.graph_module, self.spans(), model=model)
+        from .shapes import ShapeGuard, input_shapes
+
+        guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
+        object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
         return self.module
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:

@@ -118,6 +118,12 @@ class CheckpointedModule(fx.GraphModule):
     def __call__(self, *args, **kwargs):
         model = self.__dict__.get("_original")
         if self.training or model is None:
+            guard = self.__dict__.get("shape_guard")  # shapes.ShapeGuard: inputs above the planned shape
+            if guard is not None:
+                args, kwargs = guard.bind(args, kwargs)
+                other = guard.module_for(args, kwargs)
+                if other is not None:
+                    return other(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         modes = [(m, m.training) for m in model.modules()]
         model.eval()

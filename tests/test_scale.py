@@ -49,10 +49,11 @@ def small_llama_profiles():
 def test_meta_built_llama_bytes_equal_real_run(small_llama_profiles):
     real, fake, _ = small_llama_profiles
     r, f = _per_node(real), _per_node(fake)
-    assert set(r) <= set(f)
-    assert {name: r[name] for name in r} == {name: f[name] for name in r}
-    # nodes only the meta capture has (a no-op .contiguous() after attention) own no bytes
-    assert all(f[name] == (0, 0, 0, 0, 0) for name in set(f) - set(r))
+    # Both graphs have dynamic dimensions; nodes only one capture has (a no-op .contiguous() after
+    # attention on meta, shape arithmetic) own no bytes but shift the numbering of node names, so
+    # the nodes that own bytes are compared in graph order.
+    owning = lambda cost, rows: [(n.target, rows[n.name]) for n in cost.nodes if any(rows[n.name])]  # noqa: E731
+    assert owning(real, r) == owning(fake, f)
     assert fake.total_saved_bytes == real.total_saved_bytes > 0
     assert fake.param_bytes == real.param_bytes and fake.param_grad_bytes == real.param_grad_bytes
     # attention saves its output and a logsumexp, as the fused kernel does, not [B, H, T, T] matrices

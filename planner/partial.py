@@ -1,0 +1,314 @@
+"""Plans for models the capture cannot take whole.
+
+When neither symbolic_trace nor torch.export captures the model (a loss that
+branches on data-dependent lengths, a data-dependent branch around the
+layers), the largest submodules that do capture are planned and the rest runs
+eagerly, as torch.compile does at graph breaks:
+
+1. One eager forward (no grad) records each submodule's first call.
+2. From the root down, each called submodule is captured with those inputs;
+   where it fails, its children are tried. Single torch.nn layers are not
+   tried on their own (nothing to checkpoint inside them).
+3. The pieces' Problems are joined in call order into one Problem, separated
+   by a node that cannot be recomputed (no region spans two pieces). What
+   runs eagerly is counted as resident for the whole step: the activations it
+   saves for backward (measured with saved_tensors_hooks), the gradients of
+   its parameters, and each piece's inputs and outputs. The prediction is
+   therefore an upper bound.
+4. The solution's regions are split back per piece; each piece is rewritten
+   and put in place of its submodule in a shallow copy of the model, which
+   shares every parameter and buffer and keeps the state_dict keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import Capture, capture, normalize_inputs
+from .errors import CaptureError
+from .graph import CostGraph
+from .plan import Plan, Region
+from .profile import ProfileConfig, profile
+from .rewrite import rewrite, safe_regions
+from .shapes import ShapeGuard, input_shapes
+from .solvers import Node, Problem, Storage, simulate
+from .solvers.simulate import normalize_regions
+from .state import ModelState
+
+__all__ = ["Piece", "PartialPlanner", "find_pieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A captured submodule, its costs, and where its nodes sit in the joined Problem."""
+
+    path: str
+    capture: Capture
+    cost: CostGraph
+    offset: int
+    """Index of its first node in the joined Problem."""
+
+
+def _record_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, dict[str, Any]]:
+    """Each submodule's first call in one eager forward, as keyword arguments of its forward."""
+    calls: dict[str, dict[str, Any]] = {}
+    handles = []
+
+    def hook(path: str):
+        def pre(mod: torch.nn.Module, a: tuple, k: dict) -> None:
+            if path in calls:
+                return
+            try:
+                bound = inspect.signature(mod.forward).bind(*a, **k)
+            except TypeError:
+                return
+            if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(mod.forward).parameters.values()):
+                return  # *args cannot be passed by name
+            detached = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, dict(bound.arguments))
+            calls[path] = detached
+
+        return pre
+
+    for path, mod in model.named_modules():
+        if path:
+            handles.append(mod.register_forward_pre_hook(hook(path), with_kwargs=True))
+    try:
+        with ModelState(model).preserved(), torch.no_grad():
+            model.train()
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _single_layer(mod: torch.nn.Module) -> bool:
+    return not any(True for _ in mod.children()) and type(mod).__module__.startswith("torch.nn.")
+
+
+def find_pieces(
+    model: torch.nn.Module, args: tuple, kwargs: dict, *, method: str = "auto"
+) -> tuple[list[tuple[str, Capture]], list[str]]:
+    """(captured submodules by path in call order, module paths whose own code runs eagerly)."""
+    calls = _record_calls(model, args, kwargs)
+    order = {path: float(i) for i, path in enumerate(calls)}
+    pieces: list[tuple[str, Capture]] = []
+    left_out: list[str] = [f"{type(model).__name__} (own code)"]
+
+    def visit(prefix: str, mod: torch.nn.Module) -> None:
+        siblings = {type(c): calls[f"{prefix}{n}"] for n, c in mod.named_children() if f"{prefix}{n}" in calls}
+        last = -1.0
+        for name, child in mod.named_children():
+            path = f"{prefix}{name}"
+            if path not in calls and isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) and type(child) in siblings:
+                # a layer skipped in the recorded forward (layerdrop): its siblings show how it is called
+                calls[path] = siblings[type(child)]
+                order[path] = last + 1e-3
+            last = order.get(path, last)
+            if path not in calls:  # a container (ModuleList) or a module not called
+                visit(path + ".", child)
+                continue
+            if _single_layer(child):
+                left_out.append(path)
+                continue
+            try:
+                pieces.append((path, capture(child, calls[path], method=method)))
+            except CaptureError:
+                left_out.append(f"{path} (own code)")
+                visit(path + ".", child)
+
+    visit("", model)
+    pieces.sort(key=lambda p: order[p[0]])
+    return pieces, left_out
+
+
+def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list[str]) -> int:
+    """Bytes of activations the eager code (outside every piece) saves for backward in one forward."""
+    own = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
+    own |= {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inside = [0]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not inside[0] and t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in own:
+                saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for path in pieces:
+        mod = model.get_submodule(path)
+        handles.append(mod.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1)))
+        handles.append(mod.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1)))
+    try:
+        with ModelState(model).preserved(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train()
+            out = model(*args, **kwargs)
+            del out
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(saved.values())
+
+
+def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int) -> tuple[Problem, list[int]]:
+    """One Problem: the pieces in call order, a non-recomputable node between two, `fixed_bytes` resident."""
+    nodes: list[Node] = []
+    storages: list[Storage] = []
+    offsets: list[int] = []
+    for k, (path, _, cost) in enumerate(pieces):
+        if k:
+            nodes.append(Node(name=f"eager before {path}", recomputable=False))
+        base, sbase = len(nodes), len(storages)
+        offsets.append(base)
+        for n in cost.to_problem().nodes:
+            nodes.append(
+                dataclasses.replace(
+                    n,
+                    name=f"{path}/{n.name}",
+                    module=f"{path}.{n.module}" if n.module else path,
+                    inputs=tuple(i + base for i in n.inputs),
+                    reads=tuple(s + sbase for s in n.reads),
+                )
+            )
+        for s in cost.to_problem().storages:
+            storages.append(
+                dataclasses.replace(
+                    s, producer=s.producer + base, last_use=s.last_use + base, saved_by=tuple(i + base for i in s.saved_by)
+                )
+            )
+    return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes), offsets
+
+
+def _with_replaced(model: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    """A shallow copy of `model` with the submodules at `replacements`' paths swapped; all else shared."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    copied = {"": root}
+    for path, new in replacements.items():
+        *parents, leaf = path.split(".")
+        mod, prefix = root, ""
+        for p in parents:
+            prefix = f"{prefix}.{p}" if prefix else p
+            if prefix not in copied:
+                child = copy.copy(mod._modules[p])
+                child._modules = dict(child._modules)
+                mod._modules[p] = copied[prefix] = child
+            mod = copied[prefix]
+        mod._modules[leaf] = new
+    return root
+
+
+class PartialPlanner:
+    """Capture and profile the largest capturable submodules once; plan them for any budget."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        example_inputs: Any = None,
+        *,
+        reason: str = "",
+        optimizer_bytes: int = 0,
+        capture_method: str = "auto",
+        profile_config: ProfileConfig | None = None,
+    ) -> None:
+        args, kwargs = normalize_inputs(example_inputs, model)
+        found, self.left_out = find_pieces(model, args, kwargs, method=capture_method)
+        if not found:
+            raise CaptureError(f"{reason}; no submodule of {type(model).__name__} could be captured either")
+        self.model, self.reason = model, reason
+        config = profile_config or ProfileConfig()
+        with ModelState(model).preserved():
+            costs = [(path, cap, profile(cap, config)) for path, cap in found]
+        paths = [path for path, _, _ in costs]
+        self.eager_saved_bytes = _eager_costs(model, args, kwargs, paths)  # bytes
+        in_pieces = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
+        state = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+        eager_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_pieces)
+        edges = sum(c.input_bytes for _, _, c in costs)  # a piece's outputs are its graph's outputs: resident already
+        self.eager_bytes = self.eager_saved_bytes + eager_grads + edges  # bytes counted resident for the step
+        fixed = sum(t.untyped_storage().nbytes() for t in state) + optimizer_bytes + self.eager_bytes
+        fixed += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        self.problem, offsets = _join(costs, fixed)
+        self.pieces = [Piece(path, cap, cost, off) for (path, cap, cost), off in zip(costs, offsets)]
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return simulate(self.problem, ()).peak_bytes
+
+    def plan(self, solution, notes: list[str]) -> Plan:
+        """Build the plan and its module from a Solution of `self.problem`."""
+        problem, regions, built, moved = self.problem, [], {}, []
+        for k, piece in enumerate(self.pieces):
+            end = self.pieces[k + 1].offset - 1 if k + 1 < len(self.pieces) else problem.n
+            local = [(s - piece.offset, e - piece.offset) for s, e in solution.regions if piece.offset <= s and e < end]
+            safe, why = safe_regions(piece.capture.graph_module, local)
+            moved += why
+            regions += [(s + piece.offset, e + piece.offset) for s, e in safe]
+            sub = self.model.get_submodule(piece.path)
+            module = rewrite(piece.capture.graph_module, safe, model=sub)
+            guard = ShapeGuard(
+                input_shapes(piece.capture.args, piece.capture.kwargs), "error", None,
+                dynamic_dims=piece.capture.dynamic_dims, signature=inspect.signature(sub.forward),
+            )
+            object.__setattr__(module, "shape_guard", guard)
+            built[piece.path] = module
+        if moved:
+            solution = dataclasses.replace(solution, regions=normalize_regions(problem, regions))
+        base, sim = simulate(problem, ()), simulate(problem, solution.regions)
+        saved = [0] * problem.n
+        for st in problem.storages:
+            if st.saved_by:
+                saved[st.producer] += st.nbytes
+        plan = Plan(
+            solver=solution.solver,
+            budget_bytes=solution.budget_bytes,
+            baseline_peak_bytes=base.peak_bytes,
+            predicted_peak_bytes=sim.peak_bytes,
+            predicted_recompute_s=sim.recompute_time,
+            baseline_step_s=problem.total_time,
+            regions=tuple(
+                Region(s, e, problem.nodes[s].name, problem.nodes[e].name, (problem.nodes[s].module,), 0,
+                       sum(n.time for n in problem.nodes[s : e + 1]), sum(saved[s : e + 1]))
+                for s, e in solution.regions
+            ),
+            fingerprint=problem.fingerprint(),
+            capture_method="partial",
+            solve_time_s=solution.solve_time,
+            breakdown=dict(sim.breakdown),
+            baseline_breakdown=dict(base.breakdown),
+            notes=tuple(notes) + tuple(moved) + self.notes(),
+            stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
+            num_nodes=problem.n,
+            model_name=type(self.model).__name__,
+        )
+        plan.problem = problem
+        plan.module = _with_replaced(self.model, built)
+        return plan
+
+    def notes(self) -> tuple[str, ...]:
+        shown = ", ".join(self.left_out[:8]) + (f" ... {len(self.left_out) - 8} more" if len(self.left_out) > 8 else "")
+        return (
+            "the whole model could not be captured" + (f" ({_short(self.reason)})" if self.reason else "")
+            + f"; planned {len(self.pieces)} captured "
+            f"submodules: {', '.join(p.path for p in self.pieces)}",
+            f"left out, run eagerly: {shown}; their saved activations ({self.eager_saved_bytes / 1e6:.2f} MB), "
+            f"their parameters' gradients and the captured pieces' inputs and outputs "
+            f"({self.eager_bytes / 1e6:.2f} MB in all) are counted resident for the whole step, so the "
+            "predicted peak is an upper bound",
+        )
+
+
+
+def _short(reason: str) -> str:
+    """The failure that decided it (torch.export's, when both tracers were tried), in one short clause."""
+    text = reason.split("torch.export: ", 1)[-1]
+    return text.split(". ", 1)[0][:200]
