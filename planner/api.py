@@ -14,6 +14,7 @@ from .errors import InputError
 from .graph import CostGraph
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
+from .progress import logger, progress_enabled, stage
 from .rewrite import rewrite, safe_regions
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
@@ -73,6 +74,7 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     safety_margin: float = 0.02,
+    progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -91,10 +93,23 @@ def optimize(
     safety_margin (default 0.02) reserves that fraction of the budget's
     activation part for what the simulator does not see (the allocator's
     rounding on a GPU, kernels that pick other workspaces at other sizes). The model is left
-    as it was found.
+    as it was found. progress=True shows each stage (capture, profile, solve, rewrite) and the
+    solver's steps on stderr; without it they go to the "ckpt_planner" logger (planner/progress.py).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
+    with progress_enabled(progress):
+        return _optimize(
+            model, example_inputs, budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver, device=device,
+            optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
+            solver_options=solver_options, activation_budget=activation_budget, world_size=world_size,
+            sharding=sharding, safety_margin=safety_margin,
+        )
+
+
+def _optimize(model: torch.nn.Module, example_inputs: Any, *, budget_gb, budget_bytes, solver, device, optimizer,
+              capture_method, profile_config, solver_options, activation_budget, world_size, sharding,
+              safety_margin) -> Plan:
     planner = Planner(
         model,
         example_inputs,
@@ -151,8 +166,16 @@ class Planner:
         if device is not None and torch.device(device).type == "meta":
             config = ProfileConfig(**{**config.__dict__, "meta": True})
         with ModelState(model).preserved():
-            self.capture = capture(model, example_inputs, method=capture_method)
-            self.cost = profile(self.capture, config)
+            with stage("capture", f"{type(model).__name__}, method {capture_method}"):
+                self.capture = capture(model, example_inputs, method=capture_method)
+            logger.info("capture: %s, %d graph nodes", self.capture.method, len(self.capture.graph_module.graph.nodes))
+            with stage("profile", "meta tensors" if config.meta else "running each node"):
+                self.cost = profile(self.capture, config)
+            logger.info(
+                "profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)",
+                len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
+                self.cost.time_source,
+            )
         self.model = model
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
@@ -181,7 +204,13 @@ class Planner:
         if activation_budget is not None:
             base_peak = simulate(problem, ()).peak_bytes
             budget = int(problem.fixed_bytes + activation_budget * (base_peak - problem.fixed_bytes))
-        solution, notes = _solve(problem, budget, solver, options, safety_margin)
+        with stage("solve", f"solver {solver}, budget "
+                   + (f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)")):
+            solution, notes = _solve(problem, budget, solver, options, safety_margin)
+        logger.info(
+            "solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms",
+            solution.solver, len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3,
+        )
         safe, moved = safe_regions(cap.graph_module, solution.regions)  # in-place ops at region boundaries
         if moved:
             solution = dataclasses.replace(solution, regions=normalize_regions(problem, safe))
@@ -189,7 +218,8 @@ class Planner:
         plan = plan_from_solution(self.cost, problem, solution, cap, notes=notes + self.dist_notes, solver_options=options)
         plan.model_name = type(model).__name__
         plan.problem = problem
-        plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
+        with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
+            plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
         extra = []
         if cap.builtin_checkpointing:
             shown = ", ".join(cap.builtin_checkpointing[:4]) + (" ..." if len(cap.builtin_checkpointing) > 4 else "")

@@ -8,6 +8,8 @@ the lower peak). When none fits, the lowest simulated peak is reported.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from .problem import Problem
@@ -15,6 +17,8 @@ from .registry import SolverResult, get_solver, register
 from .simulate import simulate
 
 __all__ = ["auto", "auto_portfolio"]
+
+logger = logging.getLogger(__name__)
 
 ILP_NODES = 2000  # nodes above which auto skips the MILP
 SMALL_NODES = 300  # nodes up to which the MILP runs uncoarsened checks quickly
@@ -54,9 +58,16 @@ def auto(
     low = None
     for name in names:
         options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP} if name == "ilp" else {}
+        logger.info("auto: running %s (%d/%d) on %d nodes", name, names.index(name) + 1, len(names), problem.n)
+        t0 = time.perf_counter()
         result = get_solver(name)(problem, budget_bytes, **options)
         sim = simulate(problem, result.regions)
         fits = sim.peak_bytes <= budget_bytes
+        logger.info(
+            "auto: %s in %.2f s: peak %.1f MB (%s), recompute %.2f ms",
+            name, time.perf_counter() - t0, sim.peak_bytes / 1e6, "fits" if fits else "over the budget",
+            sim.recompute_time * 1e3,
+        )
         tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": sim.peak_bytes, "fits": fits}
         low = min(low, sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)) if low is not None else min(
             sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)
