@@ -64,9 +64,11 @@ def measure_timeline(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with mem:
-        loss = loss_fn(module(*args, **kwargs))
+        out = module(*args, **kwargs)  # held through the backward, as in verify and in the prediction
+        loss = loss_fn(out)
         phase[0] = "backward"
         loss.backward()
+        del out, loss
     for p in state:
         if isinstance(p, torch.nn.Parameter):
             p.grad = None
