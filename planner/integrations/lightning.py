@@ -29,9 +29,15 @@ class LightningPlanCallback(Callback):
     default the LightningModule itself) and `measure_step` (default 1). The first optimizer
     of the run is counted unless `optimizer=` is given. After training: `.plan`,
     `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes).
+
+    Lightning runs `training_step` before `zero_grad`, so the last step's gradients would stay
+    alive through the forward, a peak the plan does not count (one more copy of the parameters).
+    With `free_grads=True` (default) they are dropped at the batch's start instead, as
+    `zero_grad(set_to_none=True)` would drop them a moment later; skipped while gradients accumulate.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, free_grads: bool = True, **kwargs: Any) -> None:
+        self.free_grads = free_grads
         self.planner = FirstBatchPlanner(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -43,6 +49,9 @@ class LightningPlanCallback(Callback):
         self.planner.attach(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.free_grads and pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+            for p in pl_module.parameters():
+                p.grad = None
         self.planner.step_begin(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
