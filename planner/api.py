@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +61,21 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
     return None
 
 
+def _with_progress(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+    """Adds the keyword `progress` (bool): show the stages' log records on stderr during the call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, progress: bool = False, **kwargs: Any) -> Plan:
+        with progress_enabled(progress):
+            return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    flag = inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool")
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), flag])  # type: ignore[attr-defined]
+    return wrapper
+
+
+@_with_progress
 def optimize(
     model: torch.nn.Module,
     example_inputs: Any = None,
@@ -74,7 +92,6 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     safety_margin: float = 0.02,
-    progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -98,18 +115,6 @@ def optimize(
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
-    with progress_enabled(progress):
-        return _optimize(
-            model, example_inputs, budget_gb=budget_gb, budget_bytes=budget_bytes, solver=solver, device=device,
-            optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
-            solver_options=solver_options, activation_budget=activation_budget, world_size=world_size,
-            sharding=sharding, safety_margin=safety_margin,
-        )
-
-
-def _optimize(model: torch.nn.Module, example_inputs: Any, *, budget_gb, budget_bytes, solver, device, optimizer,
-              capture_method, profile_config, solver_options, activation_budget, world_size, sharding,
-              safety_margin) -> Plan:
     planner = Planner(
         model,
         example_inputs,
