@@ -427,11 +427,13 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
 def _cell(text: str) -> str:
     """A table cell's HTML: long text (error messages, raw statistics) folded after _LONG characters."""
     e = html.escape
+    if len(text) <= 16:  # figures ("20.97 MB") stay on one line
+        return f"<span class='n'>{e(text)}</span>"
     if len(text) <= _LONG:
         return e(text)
     cut = text.rfind(" ", 0, _LONG)
     cut = cut if cut > _LONG // 2 else _LONG
-    return f"<details class='long'><summary>{e(text[:cut])} ...</summary>{e(text[cut:])}</details>"
+    return f"<details class='long'><summary>{e(text[:cut])}</summary>{e(text[cut:])}</details>"
 
 
 # Cells wrap at spaces (the region column keeps its leading spaces for nesting); long text (error
@@ -442,5 +444,5 @@ _CSS = (
     "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px;"
     "white-space:pre-wrap;overflow-wrap:break-word}"
     "th{background:#f4f4f4;white-space:nowrap}img{max-width:100%;height:auto}.note{color:#555;overflow-wrap:anywhere}"
-    "details.long{overflow-wrap:anywhere;min-width:18em}details summary{cursor:pointer}"
+    "details.long{overflow-wrap:anywhere;min-width:18em}details summary{cursor:pointer}details:not([open]) summary::after{content:' ...'}.n{white-space:nowrap}"
 )
