@@ -415,12 +415,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 _EPILOGS = {
     "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 --solver dp --verify -o plan.json\n"
-            "  ckpt-planner plan models.py:make_gpt --input input_ids=8,128:int64:0-8192 --input labels=8,128:int64:0-8192 "
-            "--activation-budget 0.6 -o plan.json",
+            "  ckpt-planner plan models.py:make_gpt --input input_ids=2,128:int64:0-8192 --input labels=2,128:int64:0-8192 "
+            "--activation-budget 0.75 -o plan.json",
     "apply": "example:\n  ckpt-planner apply model.pt2 plan.json -o checkpointed/\n"
              "  python checkpointed/load.py     # loads it back and runs one training step",
-    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input input_ids=8,128:int64:0-8192 "
-             "--input labels=8,128:int64:0-8192 --solvers none,uniform,dp --budget-gb 0.25 -o bench.json\n"
+    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input input_ids=2,128:int64:0-8192 "
+             "--input labels=2,128:int64:0-8192 --solvers none,uniform,dp --activation-budget 0.75 -o bench.json\n"
              "  (models.py:make_gpt as in the README: GPT2LMHeadModel, 4 layers, n_embd 256, vocab 8192)",
     "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
               "  ckpt-planner report plan.json --format md -o report.md",
@@ -496,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser(
         "profile",
         help="per-node cost table of a model: saved bytes, output bytes, time",
-        epilog="example:\n  ckpt-planner profile models.py:make_gpt --input input_ids=8,128:int64:0-8192\n"
+        epilog="example:\n  ckpt-planner profile models.py:make_gpt --input input_ids=2,128:int64:0-8192\n"
                "  ckpt-planner profile --example cnn --json",
         formatter_class=raw,
     )
