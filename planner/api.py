@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from .own_checkpoint import own_spans
 from .partial import PartialPlanner
 from .plan import Plan, Region, graph_fingerprint
 from .profile import ProfileConfig, profile
+from .progress import logger, progress_enabled, stage
 from .rewrite import rewrite, safe_regions
 from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .solvers import Problem, Solution, simulate
@@ -62,6 +66,21 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
     return None
 
 
+def _with_progress(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+    """Adds the keyword `progress` (bool): show the stages' log records on stderr during the call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, progress: bool = False, **kwargs: Any) -> Plan:
+        with progress_enabled(progress):
+            return fn(*args, **kwargs)
+
+    sig = inspect.signature(fn)
+    flag = inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool")
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), flag])  # type: ignore[attr-defined]
+    return wrapper
+
+
+@_with_progress
 def optimize(
     model: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any = None,
@@ -126,6 +145,8 @@ def optimize(
     partial (default True): when the whole model cannot be captured, plan its largest
     capturable submodules and run the rest eagerly (see planner/partial.py; the plan's
     notes name what was left out and what it costs).
+    progress=True shows each stage (capture, profile, solve, rewrite) and the solver's steps
+    on stderr; without it they go to the "ckpt_planner" logger (planner/progress.py).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     solvers.get_solver(solver)  # unknown names fail before any work
@@ -224,8 +245,16 @@ class Planner:
         if device is not None and torch.device(device).type == "meta":
             config = ProfileConfig(**{**config.__dict__, "meta": True})
         with ModelState(model).preserved():
-            self.capture = capture(model, example_inputs, method=capture_method)
-            self.cost = profile(self.capture, config)
+            with stage("capture", f"{type(model).__name__}, method {capture_method}"):
+                self.capture = capture(model, example_inputs, method=capture_method)
+            logger.info("capture: %s, %d graph nodes", self.capture.method, len(self.capture.graph_module.graph.nodes))
+            with stage("profile", "meta tensors" if config.meta else "running each node"):
+                self.cost = profile(self.capture, config)
+            logger.info(
+                "profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)",
+                len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
+                self.cost.time_source,
+            )
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
@@ -289,7 +318,13 @@ class Planner:
         elif budget is None and self.own_regions:
             budget = given
             own_notes.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
-        solution, notes = self._solve(budget, solver, options, safety_margin, keep)
+        with stage("solve", f"solver {solver}, budget "
+                   + (f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)")):
+            solution, notes = self._solve(budget, solver, options, safety_margin, keep)
+        logger.info(
+            "solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms",
+            solution.solver, len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3,
+        )
         plan = plan_from_solution(
             self.cost,
             problem,
@@ -306,7 +341,8 @@ class Planner:
         plan.problem = problem
         if self.sharding:
             plan.stats["sharding"] = dict(self.sharding)
-        plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
+        with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
+            plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
         extra += (self._guard_shapes(plan.module, on_larger_shape, dict(
             budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,

@@ -72,14 +72,26 @@ def _report_dict(report) -> dict:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Print the per-node cost table and totals of a built-in example model."""
+    """Print the per-node cost table and totals of a model (MODEL as for `plan`) or a built-in example."""
     from .capture import capture
+    from .errors import InputError
     from .examples import EXAMPLES
     from .profile import ProfileConfig, profile
+    from .state import ModelState
 
-    model, inputs = EXAMPLES[args.example]()
-    cap = capture(model, inputs)
-    cost = profile(cap, ProfileConfig(meta=args.meta))
+    if args.model is not None and args.example is not None:
+        raise InputError("example: give MODEL or --example, not both")
+    if args.model is None:
+        if args.input or args.inputs:
+            raise InputError("input: --input/--inputs need a MODEL (the built-in examples bring their own)")
+        model, inputs = EXAMPLES[args.example or "gpt"]()
+    else:
+        loaded, inputs, _ = _model_and_inputs(args)
+        model = loaded.model
+    meta = args.meta or args.device == "meta"
+    with ModelState(model).preserved():
+        cap = capture(model, inputs)
+        cost = profile(cap, ProfileConfig(meta=meta))
     rows = cost.table()
     totals = {
         "nodes": len(rows),
@@ -380,7 +392,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _out(args, json.dumps({**result, "rows": rows}, indent=2))
     else:
         _say(args, rep.bench_table(result) + (f"\nbench written to {out}" if out else ""))
-    bad = [r["solver"] for r in result["rows"] if r["status"] == "ok" and not (r["exact"] and r["within_budget"])]
+    bad = [r["solver"] for r in result["rows"]
+           if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
     if bad:
         print(f"ckpt-planner: verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)", file=sys.stderr)
         return EXIT_FAIL

@@ -73,8 +73,8 @@ def default_solver() -> str:
     return "auto" if "auto" in SOLVERS else "uniform"
 
 
-def _model_options(p: argparse.ArgumentParser, *, budget: bool = True) -> None:
-    p.add_argument("model", help="MODEL: file.pt2 (torch.export.save), path/file.py:factory, package.module:factory, "
+def _model_options(p: argparse.ArgumentParser, *, budget: bool = True, optional: bool = False) -> None:
+    p.add_argument("model", nargs="?" if optional else None, help="MODEL: file.pt2 (torch.export.save), path/file.py:factory, package.module:factory, "
                    "or a torch.save'd module (needs --trust-pickle)")
     p.add_argument("--input", action="append", metavar="[NAME=]SHAPE[:DTYPE[:LOW-HIGH]]",
                    help="a random example input, repeatable, in argument order (NAME= makes it a keyword "
@@ -102,11 +102,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 _EPILOGS = {
     "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 --solver dp --verify -o plan.json\n"
-            "  ckpt-planner plan models.py:make_gpt --input 2,128:int64:0-50257 --activation-budget 0.5 -o plan.json",
+            "  ckpt-planner plan models.py:make_gpt --input input_ids=2,128:int64:0-8192 --input labels=2,128:int64:0-8192 "
+            "--activation-budget 0.75 -o plan.json",
     "apply": "example:\n  ckpt-planner apply model.pt2 plan.json -o checkpointed/\n"
              "  python checkpointed/load.py     # loads it back and runs one training step",
-    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input 2,128:int64:0-50257 --solvers none,uniform,dp,ilp "
-             "--budget-gb 2 -o bench.json",
+    "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input input_ids=2,128:int64:0-8192 "
+             "--input labels=2,128:int64:0-8192 --solvers none,uniform,dp --activation-budget 0.75 -o bench.json\n"
+             "  (models.py:make_gpt as in the README: GPT2LMHeadModel, 4 layers, n_embd 256, vocab 8192)",
     "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
               "  ckpt-planner report plan.json --format md -o report.md",
 }
@@ -180,10 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser(
         "profile",
-        help="per-node cost table of a model",
-        epilog="example: ckpt-planner profile --example cnn --json",
+        help="per-node cost table of a model: saved bytes, output bytes, time",
+        epilog="example:\n  ckpt-planner profile models.py:make_gpt --input input_ids=2,128:int64:0-8192\n"
+               "  ckpt-planner profile --example cnn --json",
+        formatter_class=raw,
     )
-    prof.add_argument("--example", default="gpt", choices=["gpt", "mlp", "cnn"], help="built-in example model")
+    _model_options(prof, budget=False, optional=True)
+    prof.add_argument("--example", choices=["gpt", "mlp", "cnn"], help="a built-in example model instead of MODEL")
     prof.add_argument("--meta", action="store_true", help="fake tensors: exact bytes, FLOP-based time")
     prof.add_argument("--json", action="store_true")
     prof.add_argument("--quiet", action="store_true", help="accepted for symmetry; the table is the output")

@@ -37,7 +37,7 @@ _OWN_STATS = ("timeline", "curves", "cli", "verify")
 
 
 def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) -> tuple[list[int], list[str]]:
-    """At most `limit` points; each kept point is the maximum of its bucket (peaks survive)."""
+    """At most `limit` points; each kept point is the maximum of its bucket, so the peak is always kept."""
     n = len(values)
     if n <= limit:
         return list(values), list(labels)
@@ -207,15 +207,17 @@ def _pyplot():
 
 
 def _plot_series(ax, series: dict[str, Any], label: str, style: str) -> None:
-    n = len(series["bytes"])
+    """The series, with its peak marked where it happens (the recorded peak, if sampling missed it)."""
+    values = list(series["bytes"])
+    n = len(values)
     xs = [i / max(1, n - 1) for i in range(n)]
-    ax.plot(
-        xs,
-        [b / 1e6 for b in series["bytes"]],
-        style,
-        label=f"{label} (peak {_fmt_bytes(series['peak_bytes'])})",
-        lw=1.2,
-    )
+    peak = int(series.get("peak_bytes") or (max(values) if values else 0))
+    if values and max(values) < peak:  # a series sampled between ops: put the recorded peak at its highest sample
+        values[values.index(max(values))] = peak
+    (line,) = ax.plot(xs, [b / 1e6 for b in values], style, label=f"{label} (peak {_fmt_bytes(peak)})", lw=1.2)
+    if values:
+        k = values.index(max(values))
+        ax.plot([xs[k]], [values[k] / 1e6], "o", color=line.get_color(), ms=4)
 
 
 @contextlib.contextmanager
@@ -286,8 +288,8 @@ def _timeline_figure(plt: Any, plan: dict[str, Any], timeline: dict, measured: d
             ax.axhline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
         ax.set_xlabel("progress through the step (forward, then backward with recompute)")
         ax.set_ylabel("live memory (MB)")
-        ax.set_title("Memory over one training step")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.set_title("Memory over one training step (dots: each series' peak)")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         out["timeline"] = _png(fig)
 
 
@@ -323,7 +325,7 @@ def _curve_figure(plt: Any, plan: dict[str, Any], curves: dict, out: dict[str, b
         ax.set_xlabel("predicted peak memory (MB)")
         ax.set_ylabel("recompute (% of forward time)")
         ax.set_title("Memory / overhead trade-off per solver")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         out["curve"] = _png(fig)
 
 
@@ -344,7 +346,35 @@ def _region_rows(plan: dict[str, Any]) -> list[list[str]]:
 
 
 _REGION_HEAD = ["#", "nodes (first .. last)", "modules recomputed", "nodes", "saved", "recompute ms"]
-_BENCH_HEAD = ["solver", "status", "predicted peak", "measured peak", "step ms", "x no ckpt", "solve s", "exact"]
+_BENCH_HEAD = [
+    "solver", "status", "predicted peak", "measured peak", "fits budget", "step ms", "x no ckpt", "solve s", "exact"
+]
+_LONG = 90  # characters of a table cell shown before it is folded into a <details>
+
+
+def fits_text(row: dict[str, Any], budget: Any) -> str:
+    """'yes' / 'NO' for a row held to the budget; the baseline (`none`) is compared but not held to it."""
+    if row.get("status") != "ok":
+        return "-"
+    if budget is None:
+        return "no budget"
+    fits = row["measured_peak_bytes"] <= budget
+    if row["solver"] == "none":
+        return "yes (baseline)" if fits else "no (baseline, not held to it)"
+    return "yes" if fits and row.get("within_budget", True) else "NO"
+
+
+def check_bench(plan: dict[str, Any], bench: dict[str, Any]) -> None:
+    """Refuse a bench file measured on another model or input shape than the plan's."""
+    from .errors import PlanMismatchError
+
+    theirs, ours = bench.get("fingerprint"), plan.get("fingerprint")
+    if theirs is None or theirs != ours:
+        raise PlanMismatchError(
+            f"bench fingerprint: the bench file was made for {bench.get('model') or 'another model'} "
+            f"(graph {theirs}), the plan for {plan.get('model') or 'a model'} (graph {ours}); "
+            "run `ckpt-planner bench` on the plan's model and inputs"
+        )
 
 
 def _bench_rows(bench: dict[str, Any]) -> list[list[str]]:
@@ -357,6 +387,7 @@ def _bench_rows(bench: dict[str, Any]) -> list[list[str]]:
                 r.get("status", "-") if ok else f"{r.get('status')}: {r.get('error', '')}",
                 _fmt_bytes(r.get("predicted_peak_bytes")) if ok else "-",
                 _fmt_bytes(r.get("measured_peak_bytes")) if ok else "-",
+                fits_text(r, bench.get("budget_bytes")),
                 f"{r['step_s'] * 1e3:.2f}" if ok else "-",
                 f"{r['step_time_ratio']:.2f}" if ok else "-",
                 f"{r['solve_time_s']:.3f}" if ok else "-",
@@ -377,6 +408,8 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
     """The report page for a plan (the plan file's dict) and an optional bench file's dict."""
     if fmt not in ("html", "md"):
         raise ValueError(f"fmt: {fmt!r} is not 'html' or 'md'")
+    if bench:
+        check_bench(plan, bench)
     pngs = {k: base64.b64encode(v).decode() for k, v in figures(plan, bench).items()}
     summary = summary_rows(plan)
     sections: list[tuple[str, str, list[str], list[list[str]]]] = [
@@ -434,14 +467,31 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
             parts.append("<p>(none)</p>")
             continue
         parts.append(f"<table id='{sid}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+        parts += ["<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in rows]
         parts.append("</table>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 
 
+def _cell(text: str) -> str:
+    """A table cell's HTML: long text (error messages, raw statistics) folded after _LONG characters."""
+    e = html.escape
+    if len(text) <= 16:  # figures ("20.97 MB") stay on one line
+        return f"<span class='n'>{e(text)}</span>"
+    if len(text) <= _LONG:
+        return e(text)
+    cut = text.rfind(" ", 0, _LONG)
+    cut = cut if cut > _LONG // 2 else _LONG
+    return f"<details class='long'><summary>{e(text[:cut])}</summary>{e(text[cut:])}</details>"
+
+
+# Cells wrap at spaces (the region column keeps its leading spaces for nesting); long text (error
+# lines, raw statistics) is folded and may break anywhere, so no table is wider than the page.
 _CSS = (
-    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-    "table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;"
-    "font-size:13px;white-space:pre}th{background:#f4f4f4}img{max-width:100%}.note{color:#555}"
+    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:.5em 0;max-width:100%}"
+    "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px;"
+    "white-space:pre-wrap;overflow-wrap:break-word}"
+    "th{background:#f4f4f4;white-space:nowrap}img{max-width:100%;height:auto}.note{color:#555;overflow-wrap:anywhere}"
+    "details.long{overflow-wrap:anywhere;min-width:18em}details summary{cursor:pointer}details:not([open]) summary::after{content:' ...'}.n{white-space:nowrap}"
 )

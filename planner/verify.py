@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from .capture import normalize_inputs
 from .memory import LiveMemory
 from .plan import Plan
+from .progress import logger, progress_enabled, stage
 from .state import ModelState
 
 __all__ = ["Report", "verify", "default_loss", "measure_step"]
@@ -134,8 +135,24 @@ def verify(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     repeats: int = 3,
+    progress: bool = False,
 ) -> Report:
-    """Run one training step of `model` and of `plan.module` from the same state and compare."""
+    """Run one training step of `model` and of `plan.module` from the same state and compare.
+
+    progress=True shows the stage on stderr (see optimize()).
+    """
+    with progress_enabled(progress):
+        with stage("verify", f"one step of each module, {repeats} timed repeats"):
+            report = _verify(model, plan, example_inputs, loss_fn=loss_fn, repeats=repeats)
+        logger.info(
+            "verify: measured peak %.1f MB (predicted %.1f MB, without checkpointing %.1f MB), %s, step time x%.2f",
+            report.measured_peak_bytes / 1e6, report.predicted_peak_bytes / 1e6,
+            report.baseline_measured_peak_bytes / 1e6, "exact" if report.exact else "NOT exact", report.step_time_ratio,
+        )
+    return report
+
+
+def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
     if plan.module is None:
         raise ValueError("plan.module: the plan has no module; call plan.rebuild(model, example_inputs) first")
     args, kwargs = normalize_inputs(example_inputs, model)

@@ -10,6 +10,8 @@ When every MILP backend fails, the plans of the other solvers stand and
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from .ilp import ILPSolveError
@@ -18,6 +20,8 @@ from .registry import SolverResult, get_solver, register
 from .simulate import simulate
 
 __all__ = ["auto", "auto_portfolio"]
+
+logger = logging.getLogger(__name__)
 
 ILP_NODES = 2000  # nodes above which auto skips the MILP
 SMALL_NODES = 300  # nodes up to which the MILP runs uncoarsened checks quickly
@@ -62,6 +66,8 @@ def auto(
             # No fallback inside the ILP when the plans of other solvers are here already.
             alone = all(other == "ilp" for other in names)
             options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP, "fallback": alone}
+        logger.info("auto: running %s (%d/%d) on %d nodes", name, names.index(name) + 1, len(names), problem.n)
+        t0 = time.perf_counter()
         try:
             result = get_solver(name)(problem, budget_bytes, **options)
         except ILPSolveError as e:
@@ -70,6 +76,11 @@ def auto(
             continue
         sim = simulate(problem, result.regions)
         fits = sim.peak_bytes <= budget_bytes
+        logger.info(
+            "auto: %s in %.2f s: peak %.1f MB (%s), recompute %.2f ms",
+            name, time.perf_counter() - t0, sim.peak_bytes / 1e6, "fits" if fits else "over the budget",
+            sim.recompute_time * 1e3,
+        )
         tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": sim.peak_bytes, "fits": fits}
         low = min(low, sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)) if low is not None else min(
             sim.peak_bytes, result.stats.get("min_peak_bytes", sim.peak_bytes)

@@ -45,6 +45,7 @@ plans). A time limit that passes with no plan found is an answer, not a failure.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -69,6 +70,8 @@ from .problem import Node, Problem, Storage
 from .registry import SolverResult, register
 from .simulate import simulate
 from .stages import _stage_bounds
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend"]
 
@@ -537,6 +540,10 @@ def _ilp(
     target, best_low = budget_bytes, None
     lowest = None  # the coarse plan of least peak, from the peak-minimizing MILP (solved once, when needed)
     for attempt in range(max_retries + 1):
+        logger.info(
+            "ilp: MILP attempt %d on %d nodes, target %.1f MB, %s s left",
+            attempt + 1, coarse.n, target / 1e6, "no limit" if left() is None else f"{left():.1f}",
+        )
         start = None
         if warm_start:
             start = _warm_start(coarse, target)
@@ -557,6 +564,7 @@ def _ilp(
             break
         regions = lift(regions)
         peak = simulate(problem, regions).peak_bytes
+        logger.info("ilp: attempt %d gives peak %.1f MB (budget %.1f MB)", attempt + 1, peak / 1e6, budget_bytes / 1e6)
         if peak <= budget_bytes:
             return SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low

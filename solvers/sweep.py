@@ -9,6 +9,7 @@ larger budget never gets more recompute time.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,8 @@ from .greedy import GreedyPlanner
 from .problem import Problem, Solution
 from .registry import SolverResult, get_solver
 from .simulate import normalize_regions, simulate
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["sweep", "knee"]
 
@@ -63,7 +66,7 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
 
     out: list[Solution | None] = [None] * len(budgets)
     carried: Solution | None = None
-    for idx in sorted(range(len(budgets)), key=lambda i: budgets[i]):
+    for step, idx in enumerate(sorted(range(len(budgets)), key=lambda i: budgets[i]), 1):
         budget = budgets[idx]
         t0 = time.perf_counter()
         best = None
@@ -74,6 +77,9 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
             if s.peak_bytes <= budget and (best is None or (s.recompute_time, s.peak_bytes) < best[0]):
                 best = ((s.recompute_time, s.peak_bytes), name, regions, result.stats, s)
         elapsed = time.perf_counter() - t0
+        logger.info(
+            "sweep: budget %d/%d (%.1f MB) in %.2f s: %s", step, len(budgets), budget / 1e6, elapsed, best[1] if best is not None else "nothing fits",
+        )
         if best is not None:
             (_, _), name, regions, stats, s = best
             sol = Solution(

@@ -294,3 +294,32 @@ def test_failed_verification_exits_1_and_writes_nothing(work, capsys, monkeypatc
     assert code == 1
     assert err.count("\n") == 1 and "verification failed" in err and "0.5" in err
     assert not out.exists()
+
+
+def test_profile_a_users_model(work, capsys):
+    """`profile MODEL` takes the same MODEL and --input as `plan`: the table is that model's, with its input shape."""
+    from ckpt_planner.capture import capture
+    from ckpt_planner.examples import MLPChain
+
+    code, out, err = run(["profile", f"{work}/factory.py:bare", "--input", "16,32", "--meta", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    torch.manual_seed(0)
+    expected = capture(MLPChain(d=32, blocks=4), (torch.randn(16, 32),))
+    assert data["totals"]["capture"] == expected.method
+    assert {r["node"] for r in data["nodes"]} <= {n.name for n in expected.graph_module.graph.nodes}
+    assert data["totals"]["param_bytes"] == sum(p.numel() * 4 for p in MLPChain(d=32, blocks=4).parameters())
+    # batch 16 x d 32 float32: the first linear's output is 16 x 128 x 4 bytes (hidden 4 d)
+    assert data["nodes"][0]["out_bytes"] == 16 * 128 * 4
+    # the factory's own example inputs when no --input is given; a human-readable table otherwise
+    code, out, _ = run(["profile", f"{work}/factory.py:make", "--meta"], capsys)
+    assert code == 0 and out.strip().splitlines()[-1].startswith("total:")
+
+
+def test_profile_usage_errors(work, capsys):
+    code, _, err = run(["profile", f"{work}/factory.py:make", "--example", "cnn"], capsys)
+    assert code == 2 and "give MODEL or --example" in err
+    code, _, err = run(["profile", "--input", "4,4"], capsys)
+    assert code == 2 and "--input" in err
+    code, _, err = run(["profile", f"{work}/missing.py:make"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = {
     # notebook -> lines its outputs must contain (the notebooks assert exactness themselves)
     "01_quickstart.ipynb": ["gradients bitwise equal: True, outputs equal: True, buffers equal: True", "loaded plan:"],
-    "02_tradeoffs.ipynb": ["solvers:", "measured memory monotone in the budget", "least memory from"],
+    "02_tradeoffs.ipynb": ["solvers:", "measured memory monotone in the budget", "least memory from",
+                           "noise: the model against itself", "budget 0.25:"],
 }
 
 

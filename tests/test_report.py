@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -152,16 +154,35 @@ def test_report_of_a_plan_without_report_data(tmp_path):
     assert page.images == [] and page.summary["predicted_peak_bytes"] == plan.predicted_peak_bytes
 
 
+_MEASURE = """<script>
+const doc = document.documentElement, out = {scrollWidth: doc.scrollWidth, clientWidth: doc.clientWidth, wide: []};
+for (const el of document.querySelectorAll("table, img, p, h1, h2")) {
+  const r = el.getBoundingClientRect();
+  if (r.right > doc.clientWidth + 1) out.wide.push(el.tagName + "#" + (el.id || "") + " right " + r.right);
+}
+out.images = [...document.images].map(i => [i.complete, i.naturalWidth]);
+document.body.setAttribute("data-layout", JSON.stringify(out));
+</script>"""
+
+
+def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+         f"--user-data-dir={tmp_path / 'profile'}", *args],
+        capture_output=True, text=True, timeout=180,
+    )
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian package `chromium`)")
 def test_report_renders_in_headless_chromium(made, tmp_path):
+    """The page as a browser lays it out: the figures, nothing wider than the window, plots drawn."""
+    from PIL import Image
+
     out = made / "report_browser.html"
     assert main(["report", str(made / "plan.json"), "--bench", str(made / "bench.json"), "-o", str(out), "--quiet"]) == 0
-    proc = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", out.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120,
-    )
+    width = 1000
+    proc = _chromium(tmp_path, f"--window-size={width},3000", "--dump-dom", out.resolve().as_uri())
     assert proc.returncode == 0, proc.stderr[-2000:]
     page = Page()
     page.feed(proc.stdout)  # the DOM as the browser built it
@@ -170,3 +191,97 @@ def test_report_renders_in_headless_chromium(made, tmp_path):
     assert rows["peak memory, this plan (predicted)"] == _fmt_bytes(plan["predicted_peak_bytes"])
     assert rows["solver"].startswith("uniform")
     assert len(page.images) == 2
+
+    # layout, measured in the browser by a copy of the page with a script appended
+    probe = tmp_path / "probe.html"
+    probe.write_text(out.read_text().replace("</body>", _MEASURE + "</body>"))
+    proc = _chromium(tmp_path, f"--window-size={width},3000", "--dump-dom", probe.resolve().as_uri())
+    layout = json.loads(html.unescape(re.search(r'data-layout="([^"]*)"', proc.stdout).group(1)))
+    assert layout["wide"] == [], layout  # no table, plot or note past the right edge
+    assert layout["scrollWidth"] <= layout["clientWidth"], layout  # no horizontal scrolling
+    assert layout["images"] == [[True, w] for _, w in layout["images"]] and all(w > 300 for _, w in layout["images"])
+
+    # the screenshot: a page that is not blank, with its content inside the window's width
+    shot = tmp_path / "shot.png"
+    proc = _chromium(tmp_path, f"--window-size={width},3000", f"--screenshot={shot}", out.resolve().as_uri())
+    assert proc.returncode == 0 and shot.exists(), proc.stderr[-2000:]
+    image = Image.open(shot).convert("L")
+    assert image.size == (width, 3000)
+    dark = sum(image.histogram()[:200])  # pixels clearly not background
+    assert dark > 0.01 * width * 3000, "the page looks blank"
+    right = image.crop((width - 8, 0, width, 3000))
+    assert sum(right.histogram()[:200]) == 0, "something is drawn against the right edge (overflow)"
+
+
+def test_legends_sit_beside_the_curves(made, monkeypatch):
+    """Every legend is outside its axes, so no curve is hidden under it."""
+    from ckpt_planner import report as rep
+
+    boxes = []
+    real = rep._png
+
+    def spy(fig):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            assert legend is not None
+            boxes.append((ax.get_window_extent(renderer), legend.get_window_extent(renderer)))
+        return real(fig)
+
+    monkeypatch.setattr(rep, "_png", spy)
+    rep.figures(json.loads((made / "plan.json").read_text()), json.loads((made / "bench.json").read_text()))
+    assert len(boxes) == 2
+    for axes, legend in boxes:
+        assert not axes.overlaps(legend), (axes, legend)
+
+
+def test_measured_timeline_keeps_the_true_peak():
+    """The measured series reaches the step's peak as verify measures it, even after downsampling."""
+    import torch
+    from ckpt_planner import optimize
+    from ckpt_planner.bench import measure_timeline
+    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.report import _downsample
+    from ckpt_planner.verify import default_loss, measure_step
+
+    torch.manual_seed(0)
+    model, x = MLPChain(d=32, blocks=4), torch.randn(64, 32)
+    plan = optimize(model, (x,), solver="uniform", activation_budget=0.7)
+    state = list(model.parameters()) + list(model.buffers())
+    peak, _ = measure_step(plan.module, (x,), {}, list(model.parameters()), state, default_loss, torch.device("cpu"))
+    timeline = measure_timeline(plan.module, (x,), {}, default_loss, state)
+    assert timeline["peak_bytes"] == peak
+    assert max(timeline["bytes"]) == peak
+    values = [1, 5, 2, 9, 3, 4] * 1000 + [50] + [1] * 999
+    kept, _ = _downsample(values, ["f"] * len(values), limit=100)
+    assert max(kept) == 50 and len(kept) == 100
+
+
+def test_bench_of_another_model_is_refused(made, tmp_path, capsys):
+    other = tmp_path / "other.py"
+    other.write_text(FACTORY.replace("d=32, blocks=4", "d=16, blocks=2").replace("(64, 32)", "(64, 16)"))
+    assert main(["bench", f"{other}:make", "--solvers", "none", "--quiet", "-o", str(tmp_path / "other.json")]) == 0
+    out = tmp_path / "r.html"
+    code = main(["report", str(made / "plan.json"), "--bench", str(tmp_path / "other.json"), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "bench fingerprint" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_baseline_row_is_not_said_to_fit(made):
+    from ckpt_planner.bench import bench_table
+
+    bench = json.loads((made / "bench.json").read_text())
+    none = next(r for r in bench["rows"] if r["solver"] == "none")
+    assert none["measured_peak_bytes"] > bench["budget_bytes"]  # 0.7 of the activations: the baseline is over
+    assert none["within_budget"] is False
+    line = next(ln for ln in bench_table(bench).splitlines() if ln.startswith("none "))
+    assert line.endswith("no (baseline, not held to it)")
+    from ckpt_planner.report import render
+
+    page = Page()
+    page.feed(render(json.loads((made / "plan.json").read_text()), bench))
+    head, *rows = page.tables["bench"]
+    fits = {r[0]: r[head.index("fits budget")] for r in rows}
+    assert fits["none"].startswith("no") and fits["uniform"] == "yes"

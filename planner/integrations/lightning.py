@@ -1,0 +1,61 @@
+"""LightningPlanCallback: plan checkpointing for a `lightning.Trainer` run on its first batch.
+
+    trainer = lightning.Trainer(callbacks=[LightningPlanCallback(activation_budget=0.5)])
+
+It hooks the LightningModule's forward (or the submodule named by `module`, for a
+`training_step` that calls `self.model(x)`), plans on its first call with that call's
+inputs, and applies the plan in place. See planner/integrations/core.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError('LightningPlanCallback needs lightning: pip install "ckpt-planner[lightning]"') from e
+
+from .core import FirstBatchPlanner
+
+__all__ = ["LightningPlanCallback"]
+
+
+class LightningPlanCallback(Callback):
+    """Plan on the first batch, apply in place, log the predicted and the measured peak.
+
+    Keyword arguments are those of `optimize()` (default activation_budget=0.5), plus
+    `module` (submodule path of the LightningModule whose forward the training step calls;
+    default the LightningModule itself) and `measure_step` (default 1). The first optimizer
+    of the run is counted unless `optimizer=` is given. After training: `.plan`,
+    `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes).
+
+    Lightning runs `training_step` before `zero_grad`, so the last step's gradients would stay
+    alive through the forward, a peak the plan does not count (one more copy of the parameters).
+    With `free_grads=True` (default) they are dropped at the batch's start instead, as
+    `zero_grad(set_to_none=True)` would drop them a moment later; skipped while gradients accumulate.
+    """
+
+    def __init__(self, *, free_grads: bool = True, **kwargs: Any) -> None:
+        self.free_grads = free_grads
+        self.planner = FirstBatchPlanner(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes"):
+            return getattr(self.__dict__["planner"], name)
+        raise AttributeError(name)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.planner.attach(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.free_grads and pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+            for p in pl_module.parameters():
+                p.grad = None
+        self.planner.step_begin(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.planner.step_end()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.planner.close()
