@@ -106,10 +106,10 @@ def _recorder(kind: str, original: Any, calls: list[MaskSkip]) -> Any:
         given = bound.arguments
         with contextlib.suppress(AttributeError, TypeError, ValueError, RuntimeError):  # symbolic: not recorded
             if kind == "packed":  # no attention mask: eager skips the causal mask unless the positions restart
-                calls.append(MaskSkip("causal", int(given["position_ids"].shape[-1]), None))
+                calls.append(MaskSkip("causal", _hint(given["position_ids"].shape[-1]), None))
             else:
                 local = given.get("local_attention_size")
-                calls.append(MaskSkip(kind, int(given["kv_length"]), None if local is None else int(local)))
+                calls.append(MaskSkip(kind, _hint(given["kv_length"]), None if local is None else _hint(local)))
         return original(*args, **kwargs)
 
     return record
@@ -288,6 +288,16 @@ def _length(node: Any) -> int | None:
     """Sequence length (dim -2) of a [B, H, T, D] node's example value; None if unknown or symbolic."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     try:
-        return int(val.shape[-2])
+        return _hint(val.shape[-2])
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
+
+
+def _hint(n: Any) -> int:
+    """An int, or a symbolic size's example value without adding a guard: `int()` on a dynamic
+    dimension would pin the captured graph to the example's shape (shapes.py)."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(n))
+    return int(n)
