@@ -42,7 +42,7 @@ from .backward import measure_backward, with_backward_temps
 from .capture import Capture, flatten_for_graph
 from .errors import ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
-from .memory import LiveMemory, storage_key
+from .memory import AllocatorMeter, LiveMemory, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .state import rng_preserved
 
@@ -114,6 +114,8 @@ class CostProfiler(fx.Interpreter):
         """Autograd node -> name of the fx node whose forward made it (recording runs)."""
         self.step_output: Any = None
         """The graph's output of the recording run, for the backward that follows it."""
+        self.meter: AllocatorMeter | None = None
+        """The allocator meter of the recording run (real tensors only): a window per node."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.meta_to_cpu:
@@ -147,6 +149,8 @@ class CostProfiler(fx.Interpreter):
             packed.append(t)
             return t
 
+        if self.meter is not None:
+            self.meter.mark(n.name)
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
@@ -205,9 +209,16 @@ def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, f
             prof.flops = FlopCounterMode(display=False) if config.count_flops else None
             if prof.flops is not None:
                 stack.enter_context(prof.flops)
+            prof.meter = stack.enter_context(AllocatorMeter(_device_of(gm, flat)))
         stack.enter_context(prof.mem)
         prof.step_output = prof.run(*flat, enable_io_processing=False)
     return prof
+
+
+def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
+    for t in _tensors(flat) + list(gm.parameters()) + list(gm.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
@@ -387,6 +398,11 @@ def _build(
     nodes: list[dict[str, Any]] = []
     param_reader: dict[int, int] = {}
     grad_of: dict[str, int] = {}  # node name -> node whose output gradient its own gradient is (views)
+    # Per node, the allocator's peak while it ran above what it left allocated (bytes): kernel
+    # workspaces (oneDNN convolution, BLAS packing) that no tensor shows. 0 on fake tensors.
+    alloc_temp: dict[str, int] = {}
+    for w in prof.meter.windows() if prof.meter is not None else ():
+        alloc_temp[w.name] = max(alloc_temp.get(w.name, 0), w.peak - w.end)
     for i, n in enumerate(compute):
         value = env[n]
         packed, peak_extra, kept_extra, flops = prof.events[n.name]
@@ -444,7 +460,7 @@ def _build(
             storages[owner[key]]["saved_by"].add(i)
         for s in reads:
             storages[s]["last_use"] = max(storages[s]["last_use"], i)
-        temp = max(0, peak_extra - kept_extra)
+        temp = max(0, peak_extra - kept_extra, alloc_temp.get(n.name, 0))
         fwd_time = (
             times.get(n.name, 0.0) if times is not None else _roofline(flops, in_bytes + out_bytes, device, config)
         )
