@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .capture import _key_line
 from .graph import CostGraph
-from .memory import AllocatorMeter, LiveMemory
+from .memory import AllocatorMeter, LiveMemory, alive
 from .solvers.simulate import simulate
 from .verify import default_loss
 
@@ -48,7 +48,7 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
         prof.grad_fns.clear()
         return peaks  # nothing to differentiate: no backward to measure
     mem = LiveMemory()
-    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [e[0] for e in prof.events.values()])
+    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [alive(e[0]) for e in prof.events.values()])
     mem.track(out, loss)
     prof.env, prof.events = {}, {}
     gc.collect()  # activations nothing saved are gone, as in a real step

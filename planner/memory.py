@@ -16,7 +16,12 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocatorMeter", "LiveMemory", "Window", "storage_key"]
+__all__ = ["AllocatorMeter", "LiveMemory", "Window", "alive", "storage_key"]
+
+
+def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
+    """The tensors behind weak references that are still alive."""
+    return [t for t in (r() for r in refs) if t is not None]
 
 
 def storage_key(t: torch.Tensor) -> int:

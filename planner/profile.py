@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ from .backward import measure_backward, with_backward_temps
 from .capture import Capture, flatten_for_graph
 from .errors import ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
-from .memory import AllocatorMeter, LiveMemory, storage_key
+from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .state import rng_preserved
 
@@ -143,10 +144,14 @@ class CostProfiler(fx.Interpreter):
                 self.sync()
             self.times.setdefault(n.name, []).append(time.perf_counter() - t0)
             return out
-        packed: list[torch.Tensor] = []
+        # Weak references: every autograd node saving through this hook keeps the hook (and what
+        # it refers to) alive until its own backward, so a strong list would hold all of the fx
+        # node's saved tensors until its last autograd node ran, where a real step frees each
+        # one after its own (a decomposed attention's probabilities, +8 % on a Wav2Vec2).
+        packed: list[weakref.ref] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(t)
+            packed.append(weakref.ref(t))
             return t
 
         if self.meter is not None:
@@ -442,7 +447,7 @@ def _build(
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 grad_bytes += t.numel() * t.element_size()
         saved_bytes = 0
-        for t in packed:
+        for t in alive(packed):
             key = storage_key(t)
             if key in external:
                 continue
