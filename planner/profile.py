@@ -45,6 +45,7 @@ from .errors import ProfileError
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 from .rewrite import mutated_inputs, written_roots
+from .rng import rng_state_bytes, uses_rng
 from .state import rng_preserved
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]
@@ -408,6 +409,7 @@ def _build(
     alloc_temp: dict[str, int] = {}
     for w in prof.meter.windows() if prof.meter is not None else ():
         alloc_temp[w.name] = max(alloc_temp.get(w.name, 0), w.peak - w.end)
+    rng_bytes = rng_state_bytes(torch.device(device))
     for i, n in enumerate(compute):
         value = env[n]
         packed, peak_extra, kept_extra, flops = prof.events[n.name]
@@ -493,6 +495,7 @@ def _build(
                 ),
                 "reads": sorted(reads),
                 "recomputable": recomputable,
+                "rng_state_bytes": rng_bytes if uses_rng(gm, n) else 0,
                 "shapes": [list(t.shape) for t in _tensors(value)][:4],
                 "dtype": str(_tensors(value)[0].dtype).replace("torch.", "") if _tensors(value) else "",
             }
