@@ -5,8 +5,8 @@ Whisper, Mixtral (MoE) from tiny transformers configs with random weights, and a
 skips, BatchNorm and in-place ReLU. Each model is captured and profiled once; every solver plans it
 at 50 % and 25 % of its no-checkpointing activation memory. A budget the solver reports infeasible
 must name a smallest budget that is feasible; the plan at that budget is checked instead.
-Checked for every plan: outputs, gradients and buffers bitwise equal to the original's, measured
-peak within the budget, predicted peak within 5 % of measured. The larger graphs are marked slow.
+Checked for every plan: outputs, gradients and buffers bitwise equal to the original's, the
+allocator's measured peak within the budget, predicted peak within 3 % of the allocator's. The larger graphs are marked slow.
 benchmarks/zoo.py writes the same checks as a table.
 """
 
@@ -69,7 +69,7 @@ def test_zoo(name: str, solver: str) -> None:
             assert row["outputs_equal"], f"{where}: outputs differ"
             assert row["grads_equal"], f"{where}: gradients differ by {row['max_abs_grad_diff']}"
             assert row["buffers_equal"], f"{where}: buffers differ"
-        if not row["within_budget"] or abs(row["prediction_error"]) > 0.05:
+        if not row["within_budget"] or abs(row["prediction_error"]) > 0.03:
             gaps.append(
                 f"{where}: measured {row['measured_bytes']} B, budget {row['budget_bytes']} B, "
                 f"predicted {row['predicted_bytes']} B ({row['prediction_error'] * 100:+.1f} %)"
