@@ -69,6 +69,9 @@ class ProfileConfig:
     """Bytes/s assumed in meta mode (default: 2e12 for cuda, 2e10 for cpu)."""
     count_flops: bool = True
     """Record FLOPs per node with torch's FLOP counter."""
+    allocator: bool = True
+    """Read the allocator per node and per backward step (kernel workspaces); False: live tensors
+    only, as on fake tensors, where there is no allocator."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -215,7 +218,8 @@ def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, f
             prof.flops = FlopCounterMode(display=False) if config.count_flops else None
             if prof.flops is not None:
                 stack.enter_context(prof.flops)
-            prof.meter = stack.enter_context(AllocatorMeter(_device_of(gm, flat)))
+            if config.allocator:
+                prof.meter = stack.enter_context(AllocatorMeter(_device_of(gm, flat)))
         stack.enter_context(prof.mem)
         prof.step_output = prof.run(*flat, enable_io_processing=False)
     return prof
