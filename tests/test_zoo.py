@@ -27,7 +27,7 @@ OPTIONS = {"ilp": {"time_limit": 2.0}, "auto": {"time_limit": 2.0}}  # seconds p
 # some gradients (max 1.1e-8 for Llama); for them the plan is compared bitwise to the graph.
 EXPORT_ROUNDING = {"llama"}
 
-# Plans over their budget on the allocator by 0.1-0.7 % (benchmarks/results/zoo.md), the prediction
+# Plans over their budget on the allocator by 0.1-1.5 % (benchmarks/results/zoo.md), the prediction
 # 1.4-2.7 % under it: allocations the live-tensor model does not place (on T5 the allocator peak is
 # 50,560 bytes, ten 5,056-byte RNG states, above the live-tensor peak: checkpoint frames that may
 # outlive their region's backward), which the simulator does not model yet. Which plan a solver
