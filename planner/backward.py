@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .capture import _key_line
 from .graph import CostGraph
-from .memory import LiveMemory
+from .memory import AllocatorMeter, LiveMemory, alive
 from .solvers.simulate import simulate
 from .verify import default_loss
 
@@ -48,17 +48,19 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
         prof.grad_fns.clear()
         return peaks  # nothing to differentiate: no backward to measure
     mem = LiveMemory()
-    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [e[0] for e in prof.events.values()])
+    mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [alive(e[0]) for e in prof.events.values()])
     mem.track(out, loss)
     prof.env, prof.events = {}, {}
     gc.collect()  # activations nothing saved are gone, as in a real step
     current: list[str | None] = [None]
+    meter = AllocatorMeter(prof.meter.device) if prof.meter is not None else AllocatorMeter("meta")
 
     def enter(name: str) -> None:
         if current[0] is not None:
             peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
         current[0] = name
         mem.reset_peak()
+        meter.mark(name)
 
     handles = [fn.register_prehook(lambda _grads, name=name: enter(name)) for fn, name in prof.grad_fns.items()]
     params = [p for p in gm.parameters() if p.requires_grad]
@@ -66,7 +68,8 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
     try:
         for p in params:
             p.grad = None
-        with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem:
+        base = mem.current  # bytes live when the backward starts; the allocator's figures are above it
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), mem, meter:
             try:
                 loss.backward()
             except Exception as e:  # noqa: BLE001 - a plan is still possible, only less exact
@@ -78,6 +81,8 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
                 return {}
         if current[0] is not None:
             peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
+        for w in meter.windows():  # the allocator sees the backward's workspaces too
+            peaks[w.name] = max(peaks.get(w.name, 0), base + w.peak)
     finally:
         for h in handles:
             h.remove()

@@ -42,6 +42,8 @@ class NodeCost:
     """Bytes of parameter gradients made first by this node's backward."""
     backward_temp_bytes: int = 0
     """Bytes the node's backward step holds beyond the modelled gradients (measured)."""
+    rng_state_bytes: int = 0
+    """Bytes of generator state a recomputed region holding this node saves (0: draws no random numbers)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class CostGraph:
                 recomputable=n.recomputable,
                 module=n.module,
                 flops=n.flops,
+                rng_state_bytes=n.rng_state_bytes,
             )
             for n in self.nodes
         )

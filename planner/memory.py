@@ -1,4 +1,4 @@
-"""Count the bytes of live tensor storages on the CPU (or any device) without a CUDA allocator.
+"""Two peak-memory meters: live tensor storages (`LiveMemory`) and the allocator (`AllocatorMeter`).
 
 `LiveMemory` is a TorchDispatchMode: every storage an op creates is counted
 until it is freed (a finalizer on the storage); tensors that exist already
@@ -9,13 +9,19 @@ once. On CUDA, `torch.cuda.max_memory_allocated` is the measure instead.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LiveMemory", "storage_key"]
+__all__ = ["AllocatorMeter", "LiveMemory", "Window", "alive", "storage_key"]
+
+
+def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
+    """The tensors behind weak references that are still alive."""
+    return [t for t in (r() for r in refs) if t is not None]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -60,3 +66,129 @@ class LiveMemory(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._add(t.untyped_storage())
         return out
+
+
+@dataclass(frozen=True)
+class Window:
+    """The allocator between two marks: bytes relative to where the meter started."""
+
+    name: str
+    start: int
+    """Bytes allocated when the window opened."""
+    peak: int
+    """Most bytes allocated at once inside the window."""
+    end: int
+    """Bytes allocated when the window closed."""
+
+
+class AllocatorMeter:
+    """The device allocator's bytes over a piece of code, optionally split into named windows.
+
+    On CPU it is the running sum of `torch.profiler`'s allocator events (`profile_memory=True`):
+    every allocation, tensor storages and kernel workspaces alike (oneDNN convolution, BLAS
+    packing buffers), which a dispatch-level counter such as `LiveMemory` cannot see. On CUDA it
+    is `torch.cuda.memory_allocated` / `max_memory_allocated`, the peak reset at every mark. All
+    figures are bytes above the level when the meter started. `available` is False where there
+    is no allocator to read (meta and fake tensors, other devices, or a profiler already running);
+    then every figure is 0.
+
+        with AllocatorMeter(device) as meter:
+            meter.mark("a"); ...; meter.mark("b"); ...
+        meter.peak, meter.windows()  # windows: from each mark to the next (or to the end)
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.available = self.device.type == "cuda" or (
+            self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled
+        )
+        self._marks: list[str] = []
+        self._cuda: list[Window] = []
+        self._cuda_base = 0
+        self._prof: Any = None
+        self._windows: list[Window] | None = None
+        self.peak = 0
+        """Most bytes allocated at once while the meter ran (bytes above its start)."""
+
+    def __enter__(self) -> AllocatorMeter:
+        if not self.available:
+            return self
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def mark(self, name: str) -> None:
+        """Close the open window (if any) and open one called `name`."""
+        if not self.available:
+            return
+        if self.device.type == "cuda":
+            self._close_cuda()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with torch.profiler.record_function(_MARK + str(len(self._marks))):
+                pass
+        self._marks.append(name)
+
+    def _close_cuda(self) -> None:
+        torch.cuda.synchronize(self.device)
+        now = torch.cuda.memory_allocated(self.device) - self._cuda_base
+        top = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+        self.peak = max(self.peak, top)
+        if self._marks:
+            start = self._cuda[-1].end if self._cuda else 0
+            self._cuda.append(Window(self._marks[-1], start, max(top, start, now), now))
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.available:
+            return
+        if self.device.type == "cuda":
+            self._close_cuda()
+            self._windows = self._cuda
+            return
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        self._prof = None
+        marks = {}
+        memory = []
+        for e in events:
+            name = e.name()
+            if name == "[memory]":
+                if e.device_type() == torch.autograd.DeviceType.CPU:
+                    memory.append((e.start_ns(), e.nbytes()))  # bytes; negative for a free
+            elif name.startswith(_MARK):
+                marks[int(name[len(_MARK):])] = e.start_ns()
+        starts = [marks.get(i) for i in range(len(self._marks))]
+        memory.sort()
+        windows: list[Window] = []
+        level = peak = 0
+        w, open_level, open_peak = -1, 0, 0
+        for ts, nbytes in memory:
+            while w + 1 < len(starts) and starts[w + 1] is not None and starts[w + 1] <= ts:
+                if w >= 0:
+                    windows.append(Window(self._marks[w], open_level, open_peak, level))
+                w, open_level, open_peak = w + 1, level, level
+            level += nbytes
+            peak = max(peak, level)
+            open_peak = max(open_peak, level)
+        while w + 1 < len(starts):  # marks after the last allocator event
+            if w >= 0:
+                windows.append(Window(self._marks[w], open_level, open_peak, level))
+            w, open_level, open_peak = w + 1, level, level
+        if w >= 0:
+            windows.append(Window(self._marks[w], open_level, open_peak, level))
+        self.peak = peak
+        self._windows = windows
+
+    def windows(self) -> list[Window]:
+        """One per mark, in order, after the meter has stopped ([] when not available)."""
+        return list(self._windows or [])
+
+
+_MARK = "ckpt_planner::mark::"

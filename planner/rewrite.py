@@ -34,6 +34,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .rng import uses_rng
+
 __all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "compute_nodes", "mutated_inputs", "written_roots", "safe_regions"]
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -47,8 +49,10 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 class CheckpointRegion(torch.nn.Module):
     """A run of graph nodes executed under non-reentrant activation checkpointing."""
 
-    def __init__(self, graph: fx.Graph, name: str, buffer_names: Sequence[str]) -> None:
+    def __init__(self, graph: fx.Graph, name: str, buffer_names: Sequence[str], random: bool = True) -> None:
         super().__init__()
+        self.random = random
+        """Draws random numbers: the generator state is saved so the recompute draws the same."""
         self.region_name = name
         self.graph = graph
         python_code = graph.python_code(root_module="self")
@@ -74,13 +78,13 @@ class CheckpointRegion(torch.nn.Module):
         if torch.compiler.is_compiling():
             # The compiled backward recomputes without re-applying buffer mutations,
             # and dynamo accepts no custom context_fn (it fails at compile time).
-            return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True)
+            return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=self.random)
         return checkpoint(
-            self._run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts
+            self._run, *args, use_reentrant=False, preserve_rng_state=self.random, context_fn=self._contexts
         )
 
     def __deepcopy__(self, memo):
-        new = CheckpointRegion(copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names)
+        new = CheckpointRegion(copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names, self.random)
         memo[id(self)] = new
         new.bind(copy.deepcopy(self._root, memo) if self._root is not None else None)
         return new
@@ -209,7 +213,7 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: to
         emit(sub, inside, kids, name, local)
         sub.output(local[outputs[0]] if len(outputs) == 1 else tuple(local[o] for o in outputs))
         buffers = _touched_buffers(new_gm, inside, state_buffers)
-        region = CheckpointRegion(sub, name, buffers)
+        region = CheckpointRegion(sub, name, buffers, any(uses_rng(gm, m) for m in inside))
         new_gm.add_submodule(name, region)
         made.append(region)
         call = dst.call_module(name, tuple(outer[a] for a in inputs))

@@ -2,9 +2,11 @@
 
 Both steps start from the same state (buffers, no gradients, RNG), so
 outputs, every parameter gradient and every buffer can be compared exactly.
-Peak memory is `torch.cuda.max_memory_allocated` on CUDA and a live-storage
-count on CPU; both include parameters, buffers and inputs. The model is
-left as it was found.
+Peak memory is read on two meters (planner/memory.py), both including the
+parameters, buffers and inputs the step starts with: the allocator's
+(`torch.cuda.max_memory_allocated` on CUDA, the profiler's allocator events
+on CPU: kernel workspaces included), which judges the budget, and the live
+tensor storages (`LiveMemory`). The model is left as it was found.
 """
 
 from __future__ import annotations
@@ -19,18 +21,30 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import normalize_inputs
-from .memory import LiveMemory
+from .memory import AllocatorMeter, LiveMemory
 from .plan import Plan
 from .progress import logger, progress_enabled, stage
 from .state import ModelState
 
-__all__ = ["Report", "verify", "default_loss", "measure_step"]
+__all__ = ["Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks"]
+
+
+@dataclass(frozen=True)
+class StepPeaks:
+    """Peak memory of one training step on the two meters (bytes, resident state included)."""
+
+    allocator: int
+    """The allocator's peak: tensors and kernel workspaces. What runs out of memory."""
+    live: int
+    """The peak of live tensor storages (what autograd and the model hold)."""
 
 
 @dataclass(frozen=True)
 class Report:
     measured_peak_bytes: int
+    """The plan's step, on the allocator (bytes): what the budget is judged on."""
     baseline_measured_peak_bytes: int
+    """The original model's step, on the allocator (bytes)."""
     predicted_peak_bytes: int
     max_abs_grad_diff: float
     outputs_equal: bool
@@ -47,6 +61,10 @@ class Report:
     def mismatch(self) -> str:
         """One line naming what differs (outputs, gradients, buffers), with the worst name and difference."""
         return "; ".join(f"{kind} differ (worst {name}: max abs diff {diff:.3g})" for kind, name, diff in self.differences)
+    measured_live_peak_bytes: int = 0
+    """The plan's step, live tensor storages only (bytes)."""
+    baseline_measured_live_peak_bytes: int = 0
+    """The original model's step, live tensor storages only (bytes)."""
 
     @property
     def prediction_error(self) -> float:
@@ -89,26 +107,36 @@ def measure_step(
     loss_fn: Callable[[Any], torch.Tensor],
     device: torch.device,
 ) -> tuple[int, Any]:
-    """Run forward + backward once; return (peak bytes, output)."""
+    """Run forward + backward once; return (the allocator's peak bytes, output)."""
+    peaks, out = measure_step_peaks(module, args, kwargs, params, state, loss_fn, device)
+    return peaks.allocator, out
+
+
+def measure_step_peaks(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    params: list[torch.nn.Parameter],
+    state: list[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    device: torch.device,
+) -> tuple[StepPeaks, Any]:
+    """Run forward + backward once on both meters; return (peaks, output).
+
+    Both figures include the resident state and inputs (unique storages). Where the allocator
+    cannot be read (a profiler already running, an unsupported device), its figure is the live one.
+    """
     for p in params:
         p.grad = None
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        resident = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in state + inputs}.values())
-        out = module(*args, **kwargs)
-        loss_fn(out).backward()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before + resident
-        return int(peak), out
     mem = LiveMemory()
     mem.track(state, inputs)
-    with mem:
-        out = module(*args, **kwargs)
+    resident = mem.current  # bytes
+    with AllocatorMeter(device) as meter, mem:
+        out = module(*args, **kwargs)  # held through the backward, as the planner assumes
         loss_fn(out).backward()
-    return mem.peak, out
+    allocator = resident + meter.peak if meter.available else mem.peak
+    return StepPeaks(allocator=int(allocator), live=int(mem.peak)), out
 
 
 def _clone(value: Any) -> Any:
@@ -175,7 +203,7 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            peak, out = measure_step(module, args, kwargs, params, state, loss_fn, device)
+            peak, out = measure_step_peaks(module, args, kwargs, params, state, loss_fn, device)
             grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
             buffers = [b.detach().clone() for b in model.buffers()]
             return peak, _clone(out), grads, buffers
@@ -206,8 +234,10 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
     )
     return Report(
         differences=differences,
-        measured_peak_bytes=peak,
-        baseline_measured_peak_bytes=base_peak,
+        measured_peak_bytes=peak.allocator,
+        baseline_measured_peak_bytes=base_peak.allocator,
+        measured_live_peak_bytes=peak.live,
+        baseline_measured_live_peak_bytes=base_peak.live,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         max_abs_grad_diff=diff,
         outputs_equal=_equal(out0, out1),

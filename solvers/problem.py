@@ -50,6 +50,10 @@ class Node:
     """Module path the node belongs to ('' for the root)."""
     flops: float = 0.0
     """Floating-point operations of the forward, where known."""
+    rng_state_bytes: int = 0
+    """Bytes of random-generator state a recomputed region holding this node saves at its start
+    and keeps until its backward (0 for nodes that draw no random numbers); a region saves the
+    largest of its nodes'."""
 
 
 @dataclass(frozen=True)

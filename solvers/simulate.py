@@ -141,11 +141,22 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
             events.append((phase, node, total))
 
     release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
+    # A region that draws random numbers saves the generator state when its forward starts (in
+    # its parent's context) and keeps it until its backward is done (bytes, keyed by start, ctx).
+    rng_at: dict[tuple[int, int], int] = {}
+    for r, (s, e) in enumerate(regions):
+        state = max(nodes[i].rng_state_bytes for i in range(s, e + 1))
+        if state:
+            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + state
 
     def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str) -> None:
         """Run nodes lo..hi in context ctx; kept storages are queued for their backward release."""
         free_at: list[list[int]] = [[] for _ in range(hi - lo + 1)]
         for j in range(lo, hi + 1):
+            state = rng_at.get((j, ctx), 0)
+            if state:
+                live[category] += state
+                release_at[j].append((state, category))
             for t in produced[j]:
                 st = storages[t]
                 live[category] += st.nbytes

@@ -1,0 +1,143 @@
+"""The allocator meter: kernel workspaces that no tensor shows are measured, predicted and budgeted."""
+
+import dataclasses
+
+import pytest
+import torch
+from ckpt_planner import ProfileConfig
+from ckpt_planner.api import Planner
+from ckpt_planner.errors import InfeasibleBudgetError
+from ckpt_planner.memory import AllocatorMeter
+from ckpt_planner.solvers import simulate
+from ckpt_planner.verify import verify
+
+FAST = ProfileConfig(warmup=0, repeats=1)
+
+
+class DepthwiseNet(torch.nn.Module):
+    """ConvNeXt-like blocks: 7x7 depthwise convolutions, whose oneDNN kernels use workspaces on CPU."""
+
+    def __init__(self, c: int = 8, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Conv2d(c, c, 7, padding=3, groups=c), torch.nn.GELU(), torch.nn.Conv2d(c, c, 1))
+            for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)  # [B, C, H, W]
+        for b in self.blocks:
+            x = x + b(x)
+        return x.mean()
+
+
+def test_meter_windows_count_bytes_exactly():
+    with AllocatorMeter("cpu") as meter:
+        meter.mark("a")
+        t = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes, kept
+        meter.mark("b")
+        u = torch.empty(500, dtype=torch.float64)  # 4,000 bytes, freed inside the window
+        del u
+        meter.mark("c")
+    assert meter.available
+    a, b, c = meter.windows()
+    assert (a.name, a.start, a.peak, a.end) == ("a", 0, 4000, 4000)
+    assert (b.name, b.start, b.peak, b.end) == ("b", 4000, 8000, 4000)
+    assert (c.start, c.peak, c.end) == (4000, 4000, 4000)
+    assert meter.peak == 8000
+    del t
+
+
+def test_meter_is_off_on_meta():
+    with AllocatorMeter("meta") as meter:
+        meter.mark("a")
+        torch.empty(1000)
+    assert not meter.available and meter.peak == 0 and meter.windows() == []
+
+
+def test_conv_workspace_is_predicted_and_budgeted_on_the_allocator():
+    torch.manual_seed(0)
+    model, x = DepthwiseNet(), torch.randn(4, 3, 32, 32)
+    planner = Planner(model, (x,), profile_config=FAST)
+    # the profile carries the convolution's workspace: forward transients beyond any tensor made
+    convs = [
+        n for n in planner.cost.nodes
+        if n.op == "call_module" and isinstance(model.get_submodule(n.target), torch.nn.Conv2d)
+    ]
+    assert convs and any(n.temp_bytes > 0 for n in convs)
+    none = planner.plan(solver="none")
+    base = verify(model, none, (x,), repeats=1)
+    # the allocator sees more than the live tensors (oneDNN workspaces), and that is what is predicted
+    assert base.measured_peak_bytes > 1.05 * base.measured_live_peak_bytes
+    assert base.baseline_measured_peak_bytes > base.baseline_measured_live_peak_bytes
+    assert abs(base.prediction_error) <= 0.03, (none.predicted_peak_bytes, base.measured_peak_bytes)
+    try:
+        plan = planner.plan(solver="dp", activation_budget=0.5)
+    except InfeasibleBudgetError as e:  # the smallest budget named must hold on the allocator too
+        plan = planner.plan(solver="dp", budget_bytes=e.smallest_bytes)
+    assert plan.regions
+    report = verify(model, plan, (x,), repeats=1)
+    assert report.exact
+    assert report.measured_peak_bytes <= plan.budget_bytes, (report.measured_peak_bytes, plan.budget_bytes)
+    assert report.within_budget
+    assert abs(report.prediction_error) <= 0.03, (plan.predicted_peak_bytes, report.measured_peak_bytes)
+    assert report.measured_peak_bytes < report.baseline_measured_peak_bytes
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.drop = torch.nn.Dropout(0.1)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.drop(self.a(x)))).sum()
+
+
+def test_only_random_regions_save_the_rng_state():
+    from ckpt_planner.rng import rng_state_bytes
+
+    torch.manual_seed(0)
+    model, x = Noisy(), torch.randn(32, 64)
+    planner = Planner(model, (x,), profile_config=FAST)
+    names = [n.name for n in planner.cost.nodes]
+    state = rng_state_bytes(torch.device("cpu"))
+    assert state == torch.get_rng_state().numel()  # bytes (uint8)
+    assert [n.name for n in planner.cost.nodes if n.rng_state_bytes] == ["drop"]
+    assert all(n.rng_state_bytes in (0, state) for n in planner.cost.nodes)
+    problem = planner.problem
+    d, a = names.index("drop"), names.index("a")
+    regions = [(a, d), (d + 1, d + 2)]  # Linear + dropout; ReLU + Linear
+    # The simulator holds the random region's state from its forward to its backward, and only its.
+    blind = dataclasses.replace(problem, nodes=tuple(dataclasses.replace(n, rng_state_bytes=0) for n in problem.nodes))
+    fwd = [t for p, _, t in simulate(problem, regions, timeline=True).timeline if p == "forward"]
+    fwd_blind = [t for p, _, t in simulate(blind, regions, timeline=True).timeline if p == "forward"]
+    assert fwd[-1] - fwd_blind[-1] == state
+    from ckpt_planner.rewrite import CheckpointRegion, rewrite
+
+    gm = rewrite(planner.capture.graph_module, regions, model=model)
+    assert [r.random for r in gm.modules() if isinstance(r, CheckpointRegion)] == [True, False]
+    # and the allocator agrees with the prediction to the byte
+    plan = planner.plan(solver="none")
+    plan.module = gm
+    plan.predicted_peak_bytes = simulate(problem, regions).peak_bytes
+    report = verify(model, plan, (x,), repeats=1)
+    assert report.exact
+    assert report.measured_peak_bytes == plan.predicted_peak_bytes, (report.measured_peak_bytes, plan.predicted_peak_bytes)
+
+
+@pytest.mark.parametrize("solver", ["dp", "uniform"])
+def test_verify_reports_both_meters(solver):
+    torch.manual_seed(0)
+    model, x = Noisy(), torch.randn(32, 64)
+    planner = Planner(model, (x,), profile_config=FAST)
+    plan = planner.plan(solver=solver, budget_bytes=planner.baseline_peak_bytes)
+    report = verify(model, plan, (x,), repeats=1)
+    for alloc, live in (
+        (report.measured_peak_bytes, report.measured_live_peak_bytes),
+        (report.baseline_measured_peak_bytes, report.baseline_measured_live_peak_bytes),
+    ):
+        params = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+        assert live > params and alloc >= live
