@@ -114,6 +114,7 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
             input_bytes=problem.input_bytes,
             optimizer_bytes=problem.optimizer_bytes,
             name=problem.name,
+            region_overhead_s=problem.region_overhead_s,
         ),
         groups,
     )
@@ -327,7 +328,9 @@ def _solve_milp(
                 live -= frees.pop(j, 0)
             terms.append(peak * x[(s, e)])
         at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes)
-    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s]) * v for (s, e), v in x.items())
+    # Each region: its recompute time plus the fixed cost of its checkpoint call.
+    call = problem.region_overhead_s / tunit
+    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s] + call) * v for (s, e), v in x.items())
     prob += peak_var if budget is None else time_obj
     if infeasible:
         return None, {"status": "Infeasible"}
@@ -462,6 +465,12 @@ def _checked_solve(
     return regions, stats
 
 
+def _selective(problem: Problem, budget_bytes: int, result: SolverResult) -> SolverResult:
+    from .selective import block_regions, with_saved
+
+    return with_saved(problem, budget_bytes, result, [block_regions(problem)])
+
+
 @register("ilp")
 def ilp(
     problem: Problem,
@@ -473,6 +482,7 @@ def ilp(
     max_nodes: int = 96,
     max_retries: int = 6,
     warm_start: bool = True,
+    selective: bool = True,
 ) -> SolverResult:
     """Least recompute time over flat region plans (exact when the graph is not coarsened).
 
@@ -480,7 +490,8 @@ def ilp(
 
     stats: `optimal` (the MILP was solved to within `gap`), `gap` (the solver's proven relative gap),
     `exact` (not coarsened: the MILP is the simulator's model), `check_failed` (the solver's answer
-    disagreed with the cost model, see `_checked_solve`).
+    disagreed with the cost model, see `_checked_solve`). With `selective`, the plan found and one
+    region per block are also tried with saved ops inside their regions (`selective.with_saved`).
     """
     n = problem.n
     if n == 0:
@@ -524,7 +535,8 @@ def ilp(
         regions = lift(regions)
         peak = simulate(problem, regions).peak_bytes
         if peak <= budget_bytes:
-            return SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+            result = SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+            return _selective(problem, budget_bytes, result) if selective else result
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
         target -= peak - budget_bytes
     # Nothing fits: the lowest peak the model reaches.
