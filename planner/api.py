@@ -18,6 +18,7 @@ from .rewrite import rewrite, safe_regions
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
+from .timing import with_step_times
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
 
@@ -153,6 +154,8 @@ class Planner:
         with ModelState(model).preserved():
             self.capture = capture(model, example_inputs, method=capture_method)
             self.cost = profile(self.capture, config)
+            if config.overheads:
+                self.cost = with_step_times(self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs)
         self.model = model
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
@@ -184,12 +187,13 @@ class Planner:
         solution, notes = _solve(problem, budget, solver, options, safety_margin)
         safe, moved = safe_regions(cap.graph_module, solution.regions)  # in-place ops at region boundaries
         if moved:
-            solution = dataclasses.replace(solution, regions=normalize_regions(problem, safe))
+            regions = normalize_regions(problem, safe)
+            solution = dataclasses.replace(solution, regions=regions, saved=kept_saved(regions, solution.saved))
             notes = list(notes) + moved
         plan = plan_from_solution(self.cost, problem, solution, cap, notes=notes + self.dist_notes, solver_options=options)
         plan.model_name = type(model).__name__
         plan.problem = problem
-        plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
+        plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
         extra = []
         if cap.builtin_checkpointing:
             shown = ", ".join(cap.builtin_checkpointing[:4]) + (" ..." if len(cap.builtin_checkpointing) > 4 else "")
@@ -261,8 +265,9 @@ def plan_from_solution(
 ) -> Plan:
     """Wrap a solver's Solution as a Plan (no module yet)."""
     base = simulate(problem, ())
-    sim = simulate(problem, solution.regions)
+    sim = simulate(problem, solution.regions, saved=solution.saved)
     saved = cost.saved_bytes
+    kept = set(solution.saved)
     depth_of: list[int] = []
     stack: list[tuple[int, int]] = []
     for s, e in solution.regions:
@@ -287,6 +292,8 @@ def plan_from_solution(
                 depth=depth,
                 recompute_s=sum(n.time for n in cost.nodes[s : e + 1]),
                 saved_bytes=sum(saved[s : e + 1]),
+                saved_ops=tuple(cost.nodes[i].name for i in range(s, e + 1) if i in kept),
+                saved_positions=tuple(i for i in range(s, e + 1) if i in kept),
             )
         )
     gm = cap.graph_module
@@ -308,7 +315,16 @@ def plan_from_solution(
         stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
         time_source=cost.time_source,
         num_nodes=len(cost.nodes),
+        eager_step_s=problem.base_step_s - problem.graph_overhead_s,
+        predicted_step_s=problem.base_step_s + sim.recompute_time,
+        call_overhead_s=sim.call_time,
+        graph_overhead_s=problem.graph_overhead_s,
     )
+
+
+def kept_saved(regions, saved) -> tuple[int, ...]:
+    """Saved ops still inside a region after the regions moved (a moved region's cache may not reach them)."""
+    return tuple(i for i in saved if any(s <= i <= e for s, e in regions))
 
 
 def _collapse(paths: list[str], limit: int = 8) -> list[str]:

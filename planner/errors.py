@@ -11,6 +11,7 @@ __all__ = [
     "ProfileError",
     "PlanFileError",
     "PlanMismatchError",
+    "SelectiveReplayError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -22,6 +23,10 @@ class PlannerError(RuntimeError):
 
 class InputError(ValueError):
     """A bad argument or input (shape, dtype, budget, path); the message names it."""
+
+
+class SelectiveReplayError(PlannerError):
+    """The recompute of a selective region ran other ops than its forward; the message names the position."""
 
 
 class CaptureError(PlannerError):

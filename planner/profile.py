@@ -28,7 +28,6 @@ a real CPU step's; one dispatch mode counts storages and FLOPs together.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,7 @@ from .graph import CostGraph, NodeCost, StorageCost
 from .memory import LiveMemory, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .state import rng_preserved
+from .timing import finish_profile, robust_times
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]
 
@@ -57,8 +57,8 @@ class ProfileConfig:
 
     warmup: int = 1
     """Untimed runs before timing (first-call overheads, allocator warm-up)."""
-    repeats: int = 3
-    """Timed runs; each node's time is the median."""
+    repeats: int = 5
+    """Timed runs; each node's time is the median of the fastest half (timing.robust_times)."""
     meta: bool = False
     """Run on fake tensors: exact bytes, FLOP-based time, nothing executed."""
     peak_flops: float | None = None
@@ -67,6 +67,10 @@ class ProfileConfig:
     """Bytes/s assumed in meta mode (default: 2e12 for cuda, 2e10 for cpu)."""
     count_flops: bool = True
     """Record FLOPs per node with torch's FLOP counter."""
+    anchor: bool = True
+    """Replace measured times by one model fitted to them (timing.anchor_times): plans repeat run to run."""
+    overheads: bool = True
+    """Measure the cost of a checkpoint call and of selective-policy dispatch on the device."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -174,9 +178,8 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     )
     dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
     with rng_preserved():
-        if meta:
-            return _profile_fake(gm, flat, config, dev)
-        return _profile_real(gm, flat, config, dev)
+        cost = _profile_fake(gm, flat, config, dev) if meta else _profile_real(gm, flat, config, dev)
+        return finish_profile(cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev)
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
@@ -221,7 +224,7 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         del timer.env
         timer.env = {}
     prof = _run_recording(gm, flat, config)
-    times = {name: statistics.median(ts) for name, ts in timer.times.items()}
+    times = robust_times(timer.times)
     cost = _build(gm, flat, prof, times, method="measured", device=str(dev))
     return with_backward_temps(cost, measure_backward(gm, prof))
 
