@@ -139,3 +139,10 @@ def test_optimize_twice_gives_the_same_plan():
     assert a["regions"] == b["regions"]  # regions, saved ops and the figures per region
     assert a["predicted_peak_bytes"] == b["predicted_peak_bytes"]
     assert a["stats"]["chosen"] == b["stats"]["chosen"]
+
+
+def test_random_ops_are_not_saveable():
+    """Dropout fills its mask in place inside the op: a kept copy would be checked as mutated."""
+    planner = Planner(Noisy().train(), torch.randn(8, 16), capture_method="symbolic_trace")
+    flags = dict(zip((n.name for n in planner.cost.nodes), saveable_flags(planner.capture.graph_module)))
+    assert flags["drop"] is False and flags["a"] is True
