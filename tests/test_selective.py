@@ -132,13 +132,14 @@ def test_load_spikes_do_not_move_anchored_times():
 
 
 def test_optimize_twice_gives_the_same_plan():
+    """dp (with kept ops): same model, inputs and budget, same plan. (auto adds the MILP, whose bundled
+    CBC binary can crash on a loaded machine; its time limit could also cut it at another point.)"""
     model, inputs = small_gpt()
     model, inputs = model.to("meta"), tuple(x.to("meta") for x in inputs)  # FLOP-based times: no clock involved
-    plans = [optimize(model, inputs, activation_budget=0.75, solver="auto", device="meta") for _ in range(2)]
+    plans = [optimize(model, inputs, activation_budget=0.75, solver="dp", device="meta") for _ in range(2)]
     a, b = (p.to_dict() for p in plans)
     assert a["regions"] == b["regions"]  # regions, saved ops and the figures per region
     assert a["predicted_peak_bytes"] == b["predicted_peak_bytes"]
-    assert a["stats"]["chosen"] == b["stats"]["chosen"]
 
 
 def test_random_ops_are_not_saveable():
