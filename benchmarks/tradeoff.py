@@ -10,7 +10,12 @@ in the same process, timed round-robin so that machine noise hits them alike:
   model is a plain chain of blocks;
 - compile: `torch.compile` (inductor) with `torch._functorch.config.activation_memory_budget`
   in 0.1 .. 0.9, and without a budget (its own baseline);
-- ours: every registered solver at activation budgets 0.25 / 0.5 / 0.75.
+- ours: every registered solver at activation budgets 0.25 / 0.5 / 0.75, at the least memory it
+  reaches, and at per-block's measured peak; `selective` is the baseline policy (a region per
+  block, matmul/conv/attention outputs kept). Each plan's predicted overhead (the planner's
+  predicted step time against the eager step it measured) stands beside the measured one.
+- largest batch (gpt2, llama by default): within no checkpointing's measured peak at batch 4,
+  the largest batch each of none, per-block and ours trains (tradeoff_batch.py).
 
 Peak memory on CPU is the allocator's: the running sum of the `[memory]` events
 of `torch.profiler` (profile_memory=True), which sees allocations inside
@@ -52,7 +57,9 @@ from ckpt_planner.capture import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
 from ckpt_planner.rewrite import rewrite  # noqa: E402
+from ckpt_planner.timing import with_step_times  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
+from tradeoff_batch import largest_batches  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
 from tradeoff_report import write_report  # noqa: E402
 
@@ -162,12 +169,28 @@ def _compiled(model: nn.Module, budget: float | None) -> tuple[nn.Module, list[n
     return torch.compile(twin, backend=backend), list(twin.parameters())
 
 
-def ours(case, args, kwargs, solver_names, budgets, meta: dict) -> list[Contender]:
-    """Capture and profile once, then solve and rewrite per (solver, activation budget), as optimize() does."""
+def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: float) -> Contender:
+    plan = plan_from_solution(cost, problem, sol, cap)
+    module = rewrite(cap.graph_module, plan.spans(), model=case.model, saved=plan.saved_indices())
+    return Contender(name, family, f, module, list(case.model.parameters()),
+                     predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
+                     regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s,
+                     predicted_overhead=plan.predicted_overhead, saved_ops=len(plan.saved_indices()),
+                     predicted_call_s=plan.call_overhead_s)
+
+
+def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: dict | None = None) -> list[Contender]:
+    """Capture and profile once, then solve and rewrite per (solver, activation budget), as optimize() does.
+
+    `extra_budgets`: {label: bytes}, budgets in bytes solved for besides the activation fractions.
+    """
     t0 = time.perf_counter()
     cap = capture(case.model, case.inputs)
     cost = profile(cap, ProfileConfig())
+    cost = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs)
     problem = cost.to_problem(name=case.name)
+    meta["profile_overheads"] = {"region_s": cost.region_overhead_s, "op_s": cost.op_overhead_s,
+                                 "eager_step_s": cost.step_time_s, "graph_overhead_s": cost.graph_overhead_s}
     meta["capture_profile_s"] = time.perf_counter() - t0
     meta["capture_method"] = cap.method
     meta["graph_nodes"] = len(cost.nodes)
@@ -187,12 +210,18 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict) -> list[Contende
                 if isinstance(e, solvers.InfeasibleBudgetError) and smallest is None:
                     smallest = e.smallest_bytes
                 continue
-            wall = time.perf_counter() - t1
-            plan = plan_from_solution(cost, problem, sol, cap)
-            module = rewrite(cap.graph_module, plan.spans(), model=case.model)
-            out.append(Contender(f"ours-{name}@{f}", f"ours-{name}", f, module, list(case.model.parameters()),
-                                 predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
-                                 regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s))
+            out.append(_contender(f"ours-{name}@{f}", f"ours-{name}", f, cost, problem, sol, cap, case,
+                                  time.perf_counter() - t1))
+        for label, budget in (extra_budgets or {}).items():
+            t1 = time.perf_counter()
+            try:
+                sol = solvers.solve(problem, budget, name)
+            except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
+                meta.setdefault("infeasible", []).append({"solver": name, "activation_budget": label, "error": str(e)[:200]})
+                continue
+            f = round((budget - problem.fixed_bytes) / act, 3) if act > 0 else 1.0
+            out.append(_contender(f"ours-{name}@{label}", f"ours-{name}", f, cost, problem, sol, cap, case,
+                                  time.perf_counter() - t1))
         if smallest is not None and act > 0:
             # The least memory this solver reaches: the smallest budget its infeasible error named.
             t1 = time.perf_counter()
@@ -201,17 +230,14 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict) -> list[Contende
             except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
                 meta.setdefault("infeasible", []).append({"solver": name, "activation_budget": "min", "error": str(e)[:200]})
                 continue
-            wall = time.perf_counter() - t1
             f = round((smallest - problem.fixed_bytes) / act, 3)
-            plan = plan_from_solution(cost, problem, sol, cap)
-            module = rewrite(cap.graph_module, plan.spans(), model=case.model)
-            out.append(Contender(f"ours-{name}@min", f"ours-{name}", f, module, list(case.model.parameters()),
-                                 predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
-                                 regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s))
+            out.append(_contender(f"ours-{name}@min", f"ours-{name}", f, cost, problem, sol, cap, case,
+                                  time.perf_counter() - t1))
     return out
 
 
-def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats, warmup, log) -> dict:
+def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats, warmup, log,
+              batch_solvers: tuple[str, ...] = ()) -> dict:
     meta: dict = {"name": case.name, "title": case.title, "shapes": case.shapes,
                   "parameters": sum(p.numel() for p in case.model.parameters())}
     contenders = [Contender("none", "none", None, case.model, list(case.model.parameters()))]
@@ -226,7 +252,16 @@ def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats
     else:
         meta["sequential"] = case.sequential_why
     log(f"[{case.name}] capture + profile + solve")
-    contenders += ours(case, args, kwargs, solver_names, OUR_BUDGETS, meta)
+    per_block = contenders[1]
+    per_block_peak = None
+    try:  # our plans are also solved at per-block's measured peak
+        _step(per_block, args, kwargs, device)
+        measure_memory(per_block, args, kwargs, device, None)
+        per_block_peak = per_block.result["measured_peak_bytes"]
+    except Exception as e:  # noqa: BLE001 - reported with the contender below
+        meta["per_block_budget_error"] = str(e)[:200]
+    extra = {"per-block": per_block_peak} if per_block_peak else {}
+    contenders += ours(case, args, kwargs, solver_names, OUR_BUDGETS, meta, extra)
     if compile_budgets:
         contenders.append(Contender("compile", "compile", 1.0, *_compiled(case.model, None)))
         contenders += [Contender(f"compile@{b}", "compile", b, *_compiled(case.model, b)) for b in compile_budgets]
@@ -265,6 +300,15 @@ def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats
         ref = compile_base if c.family == "compile" else base
         r["overhead"] = r["step_s"] / ref - 1 if ref else None
     meta["contenders"] = [c.result for c in contenders]
+    if batch_solvers:
+        log(f"[{case.name}] largest batch within no checkpointing's peak at batch 4")
+
+        def measure(module, a, k) -> int:
+            c = Contender("batch", "batch", None, module, list(module.parameters()))
+            measure_memory(c, a, k, device, None)
+            return c.result["measured_peak_bytes"]
+
+        meta["largest_batch"] = largest_batches(case, measure, batch_solvers, log)
     return meta
 
 
@@ -283,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--note", default="", help="a line for the report (e.g. the machine was shared)")
+    ap.add_argument("--batch-models", default="gpt2,llama",
+                    help="models that get the largest-batch search ('' skips it)")
+    ap.add_argument("--batch-solvers", default="auto,selective", help="our solvers in the largest-batch search")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     names = [m for m in a.models.split(",") if m]
@@ -329,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                 _step(Contender("compile", "compile", b, module, params), args, kwargs, device)
                 log(f"[{name}] compiled and ran torch.compile at budget {b}")
             continue
-        results["models"].append(run_model(case, args, kwargs, device, solver_names, budgets, a.repeats, a.warmup, log))
+        batch_solvers = tuple(x for x in a.batch_solvers.split(",") if x) if name in a.batch_models.split(",") else ()
+        results["models"].append(run_model(case, args, kwargs, device, solver_names, budgets, a.repeats, a.warmup, log,
+                                           batch_solvers))
         del case
         dynamo.reset()
         results["meta"]["total_s"] = time.perf_counter() - start

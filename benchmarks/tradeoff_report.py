@@ -151,6 +151,50 @@ def _plot(model: dict, out: Path) -> str:
     return name
 
 
+def _prediction_lines(model: dict) -> list[str]:
+    """Predicted against measured overhead, for every plan of ours."""
+    rows = [c for c in model["contenders"] if c.get("predicted_overhead") is not None and "step_s" in c]
+    if not rows:
+        return []
+    within = [c for c in rows if _within(c["predicted_overhead"], c["overhead"], 1.5)]
+    lines = [f"Predicted vs measured overhead: {len(within)} of {len(rows)} plans within a factor 1.5 "
+             "(overheads under 3 points count as within when both are).", "",
+             "| plan | predicted | measured | ratio |", "|---|---|---|---|"]
+    for c in rows:
+        ratio = (1 + c["predicted_overhead"]) / (1 + c["overhead"]) if c["overhead"] is not None else None
+        lines.append(f"| {c['name']} | {_pct(c['predicted_overhead'])} | {_pct(c['overhead'])} | "
+                     f"{_num(ratio, '.2f')} (step) |")
+    return lines + [""]
+
+
+def _within(pred: float, meas: float | None, factor: float) -> bool:
+    if meas is None:
+        return False
+    if abs(pred) < 0.03 and abs(meas) < 0.03:
+        return True
+    if pred <= 0 or meas <= 0:
+        return False
+    return max(pred / meas, meas / pred) <= factor
+
+
+def _batch_lines(model: dict) -> list[str]:
+    lb = model.get("largest_batch")
+    if not lb:
+        return []
+    base = lb["contenders"].get("none", {}).get("batch")
+    lines = [f"Largest batch within {_mb(lb['budget_bytes'])} MB (no checkpointing's measured peak at batch "
+             f"{lb['base_batch']}; search {lb.get('seconds', 0):.0f} s):", "",
+             "| contender | largest batch | x none | measured MB at it | batches tried |", "|---|---|---|---|---|"]
+    for name, r in lb["contenders"].items():
+        b = r.get("batch")
+        tried = ", ".join(f"{t['batch']}" + (" (infeasible)" if t.get("infeasible") else
+                                             f" ({_mb(t['peak_bytes'])})" if "peak_bytes" in t else " (error)")
+                          for t in r["tried"])
+        lines.append(f"| {name} | {b if b is not None else '-'} | {_num(b / base if b and base else None, '.2f')} | "
+                     f"{_mb(r.get('peak_bytes'))} | {tried} |")
+    return lines + [""]
+
+
 def write_report(results: dict, out: Path) -> None:
     """tradeoff.md and one PNG per model under `out`; adds each model's analysis to `results`."""
     meta = results["meta"]
@@ -214,17 +258,20 @@ def write_report(results: dict, out: Path) -> None:
             if isinstance(model.get(key), str):
                 lines.append(f"\n{key.replace('_', '-')}: {model[key]}")
         lines += ["", "<details><summary>every point</summary>", "",
-                  "| contender | measured MB | LiveMemory MB | predicted MB | ms/step | x none | overhead | solve s | max grad diff |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| contender | measured MB | LiveMemory MB | predicted MB | ms/step | x none | overhead "
+                  "| predicted overhead | kept ops | solve s | max grad diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in model["contenders"]:
             if "step_s" not in c:
-                lines.append(f"| {c['name']} | failed: {c.get('error', '?')} |||||||")
+                lines.append(f"| {c['name']} | failed: {c.get('error', '?')} |||||||||")
                 continue
             lines.append(
                 f"| {c['name']} | {_mb(c['measured_peak_bytes'])} | {_mb(c.get('live_memory_peak_bytes'))} | "
                 f"{_mb(c.get('predicted_peak_bytes'))} | {1e3 * c['step_s']:.1f} | {c['time_vs_none']:.2f} | "
-                f"{_pct(c['overhead'])} | {_num(c.get('solve_time_s'), '.3f')} | {_num(c.get('max_abs_grad_diff'), '.1e')} |")
+                f"{_pct(c['overhead'])} | {_pct(c.get('predicted_overhead'))} | {c.get('saved_ops', '')} | "
+                f"{_num(c.get('solve_time_s'), '.3f')} | {_num(c.get('max_abs_grad_diff'), '.1e')} |")
         lines += ["", "</details>", ""]
+        lines += _prediction_lines(model) + _batch_lines(model)
         for key, t in a["targets"].items():
             summary.append((model["name"], key, t))
     lines += ["## Targets", "",

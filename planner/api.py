@@ -27,6 +27,7 @@ from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
+from .timing import with_step_times
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
 
@@ -255,6 +256,8 @@ class Planner:
                 len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
                 self.cost.time_source,
             )
+            if config.overheads:
+                self.cost = with_step_times(self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs)
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
@@ -342,7 +345,7 @@ class Planner:
         if self.sharding:
             plan.stats["sharding"] = dict(self.sharding)
         with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
-            plan.module = rewrite(cap.graph_module, plan.spans(), model=model)
+            plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
         extra += (self._guard_shapes(plan.module, on_larger_shape, dict(
             budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
@@ -456,7 +459,7 @@ class Planner:
             except solvers.InfeasibleBudgetError:
                 break
             regions, moved = self._finish(solution.regions, keep)
-            peak = simulate(problem, regions).peak_bytes
+            peak = simulate(problem, regions, saved=kept_saved(regions, solution.saved)).peak_bytes
             if peak <= inner:
                 if attempt:
                     moved.append(f"re-solved {attempt}x at a lower internal budget: moved regions had left it over")
@@ -474,11 +477,13 @@ class Planner:
 
 
 def _with_regions(problem: Problem, solution: Solution, regions, budget=None, stats=None) -> Solution:
-    """`solution` with `regions` in place of its own, re-simulated."""
-    sim = simulate(problem, regions)
+    """`solution` with `regions` in place of its own (and the kept ops still inside them), re-simulated."""
+    saved = kept_saved(regions, solution.saved)
+    sim = simulate(problem, regions, saved=saved)
     return dataclasses.replace(
         solution,
         regions=tuple(regions),
+        saved=saved,
         peak_bytes=sim.peak_bytes,
         recompute_time=sim.recompute_time,
         budget_bytes=solution.budget_bytes if budget is None else budget,
@@ -540,8 +545,9 @@ def plan_from_solution(
     """Wrap a solver's Solution as a Plan (no module yet); the baseline runs `baseline_regions`
     (the model's own checkpointing: the model as given)."""
     base = simulate(problem, tuple(baseline_regions))
-    sim = simulate(problem, solution.regions)
+    sim = simulate(problem, solution.regions, saved=solution.saved)
     saved = cost.saved_bytes
+    kept = set(solution.saved)
     depth_of: list[int] = []
     stack: list[tuple[int, int]] = []
     for s, e in solution.regions:
@@ -566,6 +572,8 @@ def plan_from_solution(
                 depth=depth,
                 recompute_s=sum(n.time for n in cost.nodes[s : e + 1]),
                 saved_bytes=sum(saved[s : e + 1]),
+                saved_ops=tuple(cost.nodes[i].name for i in range(s, e + 1) if i in kept),
+                saved_positions=tuple(i for i in range(s, e + 1) if i in kept),
             )
         )
     gm = cap.graph_module
@@ -587,7 +595,16 @@ def plan_from_solution(
         stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
         time_source=cost.time_source,
         num_nodes=len(cost.nodes),
+        eager_step_s=problem.base_step_s - problem.graph_overhead_s,
+        predicted_step_s=problem.base_step_s + sim.recompute_time,
+        call_overhead_s=sim.call_time,
+        graph_overhead_s=problem.graph_overhead_s,
     )
+
+
+def kept_saved(regions, saved) -> tuple[int, ...]:
+    """Saved ops still inside a region after the regions moved (a moved region's cache may not reach them)."""
+    return tuple(i for i in saved if any(s <= i <= e for s, e in regions))
 
 
 def _collapse(paths: list[str], limit: int = 8) -> list[str]:

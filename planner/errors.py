@@ -14,6 +14,7 @@ __all__ = [
     "ProfileError",
     "PlanFileError",
     "PlanMismatchError",
+    "SelectiveReplayError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -37,6 +38,10 @@ class UnplannableError(InputError):
 
 class ShapeError(InputError):
     """An input larger than the shape the plan was made for; the message names both."""
+
+
+class SelectiveReplayError(PlannerError):
+    """The recompute of a selective region ran other ops than its forward; the message names the position."""
 
 
 class CaptureError(PlannerError):

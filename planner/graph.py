@@ -44,6 +44,10 @@ class NodeCost:
     """Bytes the node's backward step holds beyond the modelled gradients (measured)."""
     rng_state_bytes: int = 0
     """Bytes of generator state a recomputed region holding this node saves (0: draws no random numbers)."""
+    kind: str = ""
+    """What it computes, for selective policies: the aten op, function, method or module class name."""
+    saveable: bool = False
+    """A selective region may keep its output (see selective.saveable_flags)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,16 @@ class CostGraph:
     """Parameters and buffers (bytes), resident for the whole step."""
     input_bytes: int
     time_source: str
-    """'measured' (timed runs) or 'flops' (meta mode estimate)."""
+    """'measured' (timed runs), 'fitted' (a model fitted to timed runs) or 'flops' (meta mode estimate)."""
     device: str
+    region_overhead_s: float = 0.0
+    """Fixed cost of one checkpoint call over a step (seconds), measured on the device."""
+    op_overhead_s: float = 0.0
+    """Selective-policy dispatch per op run in a selective region (seconds), measured."""
+    step_time_s: float = 0.0
+    """Eager step time without checkpointing (seconds; 0 when not measured)."""
+    graph_overhead_s: float = 0.0
+    """Extra step time of the captured graph against the eager model (seconds)."""
 
     @property
     def saved_bytes(self) -> list[int]:
@@ -106,6 +118,8 @@ class CostGraph:
                 module=n.module,
                 flops=n.flops,
                 rng_state_bytes=n.rng_state_bytes,
+                op=n.kind or n.target,
+                saveable=n.saveable,
             )
             for n in self.nodes
         )
@@ -120,6 +134,10 @@ class CostGraph:
             input_bytes=self.input_bytes,
             optimizer_bytes=optimizer_bytes,
             name=name,
+            region_overhead_s=self.region_overhead_s,
+            op_overhead_s=self.op_overhead_s,
+            step_time_s=self.step_time_s,
+            graph_overhead_s=self.graph_overhead_s,
         )
 
     def fingerprint(self) -> str:
@@ -145,6 +163,10 @@ class CostGraph:
         return {
             "time_source": self.time_source,
             "device": self.device,
+            "region_overhead_s": self.region_overhead_s,
+            "op_overhead_s": self.op_overhead_s,
+            "step_time_s": self.step_time_s,
+            "graph_overhead_s": self.graph_overhead_s,
             "param_bytes": self.param_bytes,
             "input_bytes": self.input_bytes,
             "nodes": [asdict(n) for n in self.nodes],

@@ -43,6 +43,10 @@ class Region:
     recompute_s: float = 0.0
     saved_bytes: int = 0
     """Bytes the region's nodes would otherwise keep for backward."""
+    saved_ops: tuple[str, ...] = ()
+    """Nodes whose outputs the region keeps (a selective region; every other node is recomputed)."""
+    saved_positions: tuple[int, ...] = ()
+    """The same nodes by index in the graph's compute order."""
 
 
 def graph_fingerprint(gm: fx.GraphModule, example: list[Any]) -> str:
@@ -126,6 +130,24 @@ class Plan:
     """The solvers.Problem the plan was solved on (not saved; None for a loaded plan)."""
     measured_peak_bytes: int | None = None
     baseline_measured_peak_bytes: int | None = None
+    predicted_step_s: float = 0.0
+    """Predicted step time of the plan (seconds): eager step + the captured graph's overhead + recompute,
+    checkpoint-call and policy costs. 0 when the profile has no step time."""
+    eager_step_s: float = 0.0
+    """Measured (or, without a measurement, estimated) eager step without checkpointing (seconds)."""
+    call_overhead_s: float = 0.0
+    """The part of predicted_recompute_s that is checkpoint-call and selective-policy cost (seconds)."""
+    graph_overhead_s: float = 0.0
+    """The captured graph's own extra time per step against the eager model (seconds)."""
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step time over the eager step, minus one: the slowdown a user pays."""
+        return self.predicted_step_s / self.eager_step_s - 1.0 if self.eager_step_s > 0 else 0.0
+
+    def saved_indices(self) -> list[int]:
+        """Compute-node indices whose outputs selective regions keep."""
+        return [i for r in self.regions for i in r.saved_positions]
 
     @property
     def saved_bytes(self) -> int:
@@ -165,10 +187,20 @@ class Plan:
                 f"{self.predicted_recompute_s * 1e3:.1f} ms = {100 * self.recompute_overhead:.1f} % of the forward"
                 + (" (FLOP estimate)" if self.time_source == "flops" else ""),
             ),
-            ("recomputed regions", f"{len(self.regions)} ({sum(1 for r in self.regions if r.depth) } nested)"),
+            ("recomputed regions", f"{len(self.regions)} ({sum(1 for r in self.regions if r.depth) } nested, "
+             f"{sum(1 for r in self.regions if r.saved_ops)} selective, {len(self.saved_indices())} ops kept)"),
         ]
         if self.stats.get("own_checkpointing"):
             rows.insert(4, ("model's own checkpointing", f"{self.stats['own_checkpointing']} (savings are against the model as given)"))
+        if self.eager_step_s > 0:
+            rows.append(
+                (
+                    "predicted step time",
+                    f"{self.predicted_step_s * 1e3:.1f} ms against {self.eager_step_s * 1e3:.1f} ms eager: "
+                    f"+{100 * self.predicted_overhead:.1f} % (checkpoint calls {self.call_overhead_s * 1e3:.1f} ms, "
+                    f"captured graph {self.graph_overhead_s * 1e3:.1f} ms)",
+                )
+            )
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]
@@ -194,6 +226,11 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_recompute_s": self.predicted_recompute_s,
             "baseline_step_s": self.baseline_step_s,
+            "predicted_step_s": self.predicted_step_s,
+            "eager_step_s": self.eager_step_s,
+            "predicted_overhead": self.predicted_overhead,
+            "call_overhead_s": self.call_overhead_s,
+            "graph_overhead_s": self.graph_overhead_s,
             "time_source": self.time_source,
             "breakdown": self.breakdown,
             "baseline_breakdown": self.baseline_breakdown,
@@ -211,6 +248,8 @@ class Plan:
                     "depth": r.depth,
                     "recompute_s": r.recompute_s,
                     "saved_bytes": r.saved_bytes,
+                    "saved_ops": list(r.saved_ops),
+                    "saved_positions": list(r.saved_positions),
                 }
                 for r in self.regions
             ],
@@ -252,6 +291,8 @@ class Plan:
                     depth=int(r.get("depth", 0)),
                     recompute_s=float(r.get("recompute_s", 0.0)),
                     saved_bytes=int(r.get("saved_bytes", 0)),
+                    saved_ops=tuple(str(x) for x in r.get("saved_ops", ())),
+                    saved_positions=tuple(int(x) for x in r.get("saved_positions", ())),
                 )
                 for r in data["regions"]
             )
@@ -276,6 +317,10 @@ class Plan:
                 model_name=str(data.get("model", "")),
                 measured_peak_bytes=data.get("measured_peak_bytes"),
                 baseline_measured_peak_bytes=data.get("baseline_measured_peak_bytes"),
+                predicted_step_s=float(data.get("predicted_step_s", 0.0)),
+                eager_step_s=float(data.get("eager_step_s", 0.0)),
+                call_overhead_s=float(data.get("call_overhead_s", 0.0)),
+                graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source}: corrupt plan file, field {e} missing or malformed") from None
@@ -306,7 +351,7 @@ class Plan:
         cap = self._matching_capture(model, example_inputs)
         if self.problem is None:
             self.problem = self.check_figures(model, cap)
-        self.module = rewrite(cap.graph_module, self.spans(), model=model)
+        self.module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
         from .shapes import ShapeGuard, input_shapes
 
         guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
@@ -330,6 +375,9 @@ class Plan:
         for r in self.regions:
             if r.end >= len(nodes) or nodes[r.start].name != r.first_node or nodes[r.end].name != r.last_node:
                 raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
+            for i, name in zip(r.saved_positions, r.saved_ops):
+                if i >= len(nodes) or nodes[i].name != name:
+                    raise PlanMismatchError(f"plan saved op {name} does not match this model's graph")
         return cap
 
     def check_figures(self, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
@@ -367,7 +415,8 @@ class Plan:
             # a model that checkpoints itself records its plain step separately (its baseline is the model as given)
             ("baseline_peak_bytes", int(self.stats.get("no_checkpoint_peak_bytes", self.baseline_peak_bytes)),
              simulate(problem, ()).peak_bytes),
-            ("predicted_peak_bytes", self.predicted_peak_bytes, simulate(problem, spans).peak_bytes),
+            ("predicted_peak_bytes", self.predicted_peak_bytes,
+             simulate(problem, spans, saved=self.saved_indices()).peak_bytes),
         ):
             if abs(recorded - actual) > rel_tol * max(actual, 1):
                 raise PlanMismatchError(

@@ -28,7 +28,6 @@ a real CPU step's; one dispatch mode counts storages and FLOPs together.
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .rng import rng_state_bytes, uses_rng
 from .state import rng_preserved
+from .timing import finish_profile, robust_times
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]
 
@@ -59,8 +59,8 @@ class ProfileConfig:
 
     warmup: int = 1
     """Untimed runs before timing (first-call overheads, allocator warm-up)."""
-    repeats: int = 3
-    """Timed runs; each node's time is the median."""
+    repeats: int = 5
+    """Timed runs; each node's time is the median of the fastest half (timing.robust_times)."""
     meta: bool = False
     """Run on fake tensors: exact bytes, FLOP-based time, nothing executed."""
     peak_flops: float | None = None
@@ -76,6 +76,10 @@ class ProfileConfig:
     allocator: bool = True
     """Read the allocator per node and per backward step (kernel workspaces); False: live tensors
     only, as on fake tensors, where there is no allocator."""
+    anchor: bool = True
+    """Replace measured times by one model fitted to them (timing.anchor_times): plans repeat run to run."""
+    overheads: bool = True
+    """Measure the cost of a checkpoint call and of selective-policy dispatch on the device."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -191,9 +195,8 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     )
     dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
     with rng_preserved():
-        if meta:
-            return _profile_fake(gm, flat, config, dev)
-        return _profile_real(gm, flat, config, dev)
+        cost = _profile_fake(gm, flat, config, dev) if meta else _profile_real(gm, flat, config, dev)
+        return finish_profile(cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev)
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
@@ -252,7 +255,7 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         del timer.env
         timer.env = {}
     prof = _run_recording(gm, flat, config)
-    times = {name: statistics.median(ts) for name, ts in timer.times.items()}
+    times = robust_times(timer.times)
     cost = _build(gm, flat, prof, times, method="measured", device=str(dev))
     return with_backward_temps(cost, measure_backward(gm, prof))
 

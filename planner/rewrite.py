@@ -49,11 +49,20 @@ def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
 class CheckpointRegion(torch.nn.Module):
     """A run of graph nodes executed under non-reentrant activation checkpointing."""
 
-    def __init__(self, graph: fx.Graph, name: str, buffer_names: Sequence[str], random: bool = True) -> None:
+    def __init__(
+        self,
+        graph: fx.Graph,
+        name: str,
+        buffer_names: Sequence[str],
+        random: bool = True,
+        saved_positions: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__()
         self.random = random
         """Draws random numbers: the generator state is saved so the recompute draws the same."""
         self.region_name = name
+        self.saved_positions = frozenset(saved_positions)
+        """Positions (among the region's compute nodes) whose outputs a selective policy keeps."""
         self.graph = graph
         python_code = graph.python_code(root_module="self")
         self.code = python_code.src
@@ -70,6 +79,10 @@ class CheckpointRegion(torch.nn.Module):
         return self._fn(self._root, *args)
 
     def _contexts(self):
+        if self.saved_positions:
+            from .selective import selective_contexts
+
+            return selective_contexts(self.saved_positions, _restore_buffers(self._root, self.buffer_names))
         return contextlib.nullcontext(), _restore_buffers(self._root, self.buffer_names)
 
     def forward(self, *args):
@@ -84,7 +97,9 @@ class CheckpointRegion(torch.nn.Module):
         )
 
     def __deepcopy__(self, memo):
-        new = CheckpointRegion(copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names, self.random)
+        new = CheckpointRegion(
+            copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names, self.random, self.saved_positions
+        )
         memo[id(self)] = new
         new.bind(copy.deepcopy(self._root, memo) if self._root is not None else None)
         return new
@@ -138,8 +153,17 @@ class CheckpointedModule(fx.GraphModule):
                 m.training = mode
 
 
-def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: torch.nn.Module | None = None) -> fx.GraphModule:
+def rewrite(
+    gm: fx.GraphModule,
+    regions: Sequence[tuple[int, int]],
+    *,
+    model: torch.nn.Module | None = None,
+    saved: Sequence[int] = (),
+) -> fx.GraphModule:
     """Return a new GraphModule running `regions` (compute-node index ranges) under checkpoint.
+
+    `saved`: compute-node indices inside regions without nested ones whose outputs the region keeps
+    (a selective region, see `selective.py`); saved nodes outside such a region are ignored.
 
     The result shares every parameter, buffer and submodule of `gm`; when
     `model` is given, any of its state that the graph does not reference is
@@ -148,6 +172,7 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: to
     are adjusted first (see `safe_regions`); `result.rewrite_notes` lists the changes.
     """
     compute = compute_nodes(gm.graph)
+    saved_nodes = {compute[i] for i in saved}
     regions, notes = safe_regions(gm, regions)
     regions = sorted(set(regions), key=lambda r: (r[0], -r[1]))
     with warnings.catch_warnings():
@@ -213,7 +238,13 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[tuple[int, int]], *, model: to
         emit(sub, inside, kids, name, local)
         sub.output(local[outputs[0]] if len(outputs) == 1 else tuple(local[o] for o in outputs))
         buffers = _touched_buffers(new_gm, inside, state_buffers)
-        region = CheckpointRegion(sub, name, buffers, any(uses_rng(gm, m) for m in inside))
+        positions: frozenset[int] = frozenset()
+        if not kids and any(m in saved_nodes for m in inside):
+            from .selective import mark_positions
+
+            positions = frozenset(p for p, m in enumerate(m for m in inside if m.op in _COMPUTE_OPS) if m in saved_nodes)
+            mark_positions(sub)
+        region = CheckpointRegion(sub, name, buffers, any(uses_rng(gm, m) for m in inside), positions)
         new_gm.add_submodule(name, region)
         made.append(region)
         call = dst.call_module(name, tuple(outer[a] for a in inputs))

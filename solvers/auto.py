@@ -1,8 +1,10 @@
 """`auto`: run the solvers that are fast for the graph's size and keep the best verified plan.
 
-Small graphs: dp, ilp, greedy and uniform. Medium: dp, ilp (coarsened, with a
-time limit), greedy, uniform. Large: dp, greedy, uniform. Every plan is
-simulated; the least recompute time among those within the budget wins (ties:
+Small graphs: dp, ilp, greedy, uniform and the `selective` baseline policy.
+Medium: the same with ilp coarsened and time-limited. Large: no ilp. dp and
+ilp also try saved ops inside their regions. Every plan is simulated; the
+least predicted recompute time (checkpoint-call and policy costs included,
+so the least predicted step time) among those within the budget wins (ties:
 the lower peak). When none fits, the lowest simulated peak is reported.
 When every MILP backend fails, the plans of the other solvers stand and
 `stats["ilp_fallback"]` says why the MILP is missing.
@@ -36,7 +38,7 @@ def ilp_time_limit(problem: Problem, time_limit: float | None) -> float | None:
 
 def auto_portfolio(problem: Problem) -> list[str]:
     """The solvers `auto` runs for this problem, fastest first."""
-    names = ["uniform", "greedy", "dp"]
+    names = ["uniform", "greedy", "selective", "dp"]
     if problem.n <= ILP_NODES:
         names.append("ilp")
     return names
@@ -55,7 +57,7 @@ def auto(
     if problem.n == 0 or budget_bytes is None:
         name = "dp" if "dp" in names else names[0]
         result = get_solver(name)(problem, budget_bytes)
-        return SolverResult(regions=result.regions, stats={**result.stats, "chosen": name})
+        return SolverResult(regions=result.regions, saved=result.saved, stats={**result.stats, "chosen": name})
     tried: dict[str, Any] = {}
     best = None  # (fits, time, peak, name, result)
     low = None
@@ -74,7 +76,7 @@ def auto(
             failed[name] = str(e)
             tried[name] = {"error": str(e)}
             continue
-        sim = simulate(problem, result.regions)
+        sim = simulate(problem, result.regions, saved=result.saved)
         fits = sim.peak_bytes <= budget_bytes
         logger.info(
             "auto: %s in %.2f s: peak %.1f MB (%s), recompute %.2f ms",
@@ -96,4 +98,4 @@ def auto(
     stats: dict[str, Any] = {"chosen": name, "tried": tried, "min_peak_bytes": low}
     if "ilp" in failed:
         stats["ilp_fallback"] = failed["ilp"]
-    return SolverResult(regions=result.regions, stats=stats)
+    return SolverResult(regions=result.regions, saved=result.saved, stats=stats)

@@ -17,6 +17,8 @@ Plan spaces (option `space`):
 * 'rotor': laminar families where the last node of every region, and of the
   graph, runs outside any child region: the space `dp` searches on a chain of
   single-node stages.
+* 'selective': every flat plan with every subset of its regions' saveable
+  nodes kept (op-level selective recompute); plans are (regions, saved) there.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .simulate import simulate
 
 __all__ = ["bruteforce", "enumerate_plans", "SPACES", "PlanSpaceTooLargeError"]
 
-SPACES = ("flat", "flat_saver_ended", "nested", "rotor")
+SPACES = ("flat", "flat_saver_ended", "nested", "rotor", "selective")
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -94,8 +96,16 @@ def _nested(problem: Problem, max_depth: int, rotor: bool) -> Iterator[Regions]:
             yield key
 
 
+def enumerate_selective(problem: Problem) -> Iterator[tuple[Regions, tuple[int, ...]]]:
+    """Every flat plan with every subset of the saveable nodes inside its regions."""
+    for plan in _flat(problem, saver_ended=False):
+        members = [i for s, e in plan for i in range(s, e + 1) if problem.nodes[i].saveable]
+        for mask in range(1 << len(members)):
+            yield plan, tuple(i for b, i in enumerate(members) if mask >> b & 1)
+
+
 def enumerate_plans(problem: Problem, space: str = "flat", *, max_depth: int = 64) -> Iterator[Regions]:
-    """Every plan of a space (see the module docstring), each once."""
+    """Every plan of a space (see the module docstring), each once ('selective': see enumerate_selective)."""
     if space == "flat":
         return _flat(problem, saver_ended=False)
     if space == "flat_saver_ended":
@@ -104,6 +114,8 @@ def enumerate_plans(problem: Problem, space: str = "flat", *, max_depth: int = 6
         return _nested(problem, max_depth, rotor=False)
     if space == "rotor":
         return _nested(problem, max_depth, rotor=True)
+    if space == "selective":
+        return enumerate_selective(problem)  # type: ignore[return-value]
     raise ValueError(f"space: {space!r} is not one of {', '.join(SPACES)}")
 
 
@@ -122,18 +134,24 @@ def bruteforce(
             f"solver 'bruteforce': the graph has {problem.n} nodes, more than the {max_nodes} (max_nodes) it can "
             "enumerate; use solver 'dp', 'ilp' or 'auto' for this model"
         )
-    plans = sorted(
-        ((recompute_time(problem, plan), len(plan), plan) for plan in enumerate_plans(problem, space, max_depth=max_depth)),
-    )
+    if space == "selective":
+        pairs = list(enumerate_selective(problem))
+    else:
+        pairs = [(plan, ()) for plan in enumerate_plans(problem, space, max_depth=max_depth)]
+    plans = sorted((recompute_time(problem, plan, saved), len(plan), len(saved), plan, saved) for plan, saved in pairs)
     stats: dict[str, Any] = {"space": space, "plans": len(plans)}
     if budget_bytes is None:
         return SolverResult(regions=(), stats=stats)
-    best: tuple[int, Regions] | None = None
-    for visited, (_time, _k, plan) in enumerate(plans, 1):
-        peak = simulate(problem, plan).peak_bytes
+    best: tuple[int, Regions, tuple[int, ...]] | None = None
+    for visited, (_time, _k, _m, plan, saved) in enumerate(plans, 1):
+        peak = simulate(problem, plan, saved=saved).peak_bytes
         if peak <= budget_bytes:
-            return SolverResult(regions=plan, stats={**stats, "simulated": visited, "min_peak_bytes": peak})
+            return SolverResult(
+                regions=plan, saved=saved, stats={**stats, "simulated": visited, "min_peak_bytes": peak}
+            )
         if best is None or peak < best[0]:
-            best = (peak, plan)
+            best = (peak, plan, saved)
     assert best is not None
-    return SolverResult(regions=best[1], stats={**stats, "simulated": len(plans), "min_peak_bytes": best[0]})
+    return SolverResult(
+        regions=best[1], saved=best[2], stats={**stats, "simulated": len(plans), "min_peak_bytes": best[0]}
+    )

@@ -6,7 +6,7 @@ plan-independent where they can be; `simulate` remains the ground truth.
 from __future__ import annotations
 
 from .problem import Problem
-from .simulate import normalize_regions, region_parents
+from .simulate import call_time, normalize_regions, normalize_saved, region_parents
 
 __all__ = ["saver_flags", "grad_bytes_by_step", "recompute_time", "trim_flat_regions"]
 
@@ -54,11 +54,13 @@ def grad_bytes_by_step(problem: Problem) -> tuple[list[int], list[int]]:
     return at, before
 
 
-def recompute_time(problem: Problem, regions) -> float:
-    """The simulator's recompute time of a plan, without replaying memory. # seconds"""
+def recompute_time(problem: Problem, regions, saved=()) -> float:
+    """The simulator's recompute time of a plan (call costs included), without replaying memory. # seconds"""
     regions = normalize_regions(problem, regions)
     if not regions:
         return 0.0
+    saved = normalize_saved(problem, regions, saved)
+    is_saved = set(saved)
     nodes, storages = problem.nodes, problem.storages
     saves = saver_flags(problem)
     parents = region_parents(regions)
@@ -72,17 +74,19 @@ def recompute_time(problem: Problem, regions) -> float:
         if p >= 0 and has_inputs[c]:
             child_stops[p].append(regions[c][0] - 1)
     prefix = [0.0]
-    for node in nodes:
-        prefix.append(prefix[-1] + node.time)
+    for i, node in enumerate(nodes):
+        prefix.append(prefix[-1] + (0.0 if i in is_saved else node.time))
     total = 0.0
+    stops = []
     for r, (s, e) in enumerate(regions):
-        if not any(saves[k] for k in range(s, e + 1)):
-            continue
         own = [k for k in range(s, e + 1) if saves[k] and inner[k] == r] + child_stops[r]
         stop = max(own) if own else s - 1
+        stops.append(stop)
+        if not any(saves[k] for k in range(s, e + 1)):
+            continue
         if stop >= s:
             total += prefix[stop + 1] - prefix[s]
-    return total
+    return total + call_time(problem, regions, saved, stops)
 
 
 def trim_flat_regions(problem: Problem, regions, saves: list[bool] | None = None) -> tuple[tuple[int, int], ...]:

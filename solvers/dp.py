@@ -340,7 +340,9 @@ class DPPlanner:
                         better = cand < cur
                         cur[better] = cand[better]
                         arg[better] = _CHILD
-            diag(CT, 0, ell)[...] = diag(SK, 0, ell) + (prefix[R + 1] - prefix[rows]).astype(np.float32)[:, None]
+            # A child region's whole cost: its recompute, its inner schedule, its checkpoint call.
+            call = np.float32(self.problem.region_overhead_s)
+            diag(CT, 0, ell)[...] = diag(SK, 0, ell) + (prefix[R + 1] - prefix[rows] + call).astype(np.float32)[:, None]
         self._need = (PT, rec_end, pass_extra)
         self._child_cache: dict[tuple[int, int], Any] = {}
         self._tables = (SK, SN, AK, AN)
@@ -519,6 +521,9 @@ class DPPlanner:
         return out
 
 
+SELECTIVE_CANDIDATES = 6  # table plans dp also tries with saved ops
+
+
 @register("dp")
 def dp(
     problem: Problem,
@@ -528,9 +533,22 @@ def dp(
     slots: int = 128,
     selection: str = "auto",
     max_retries: int = 12,
+    selective: bool = True,
 ) -> SolverResult:
-    """Optimal nested checkpointing on the stage chain (see the module docstring)."""
+    """Optimal nested checkpointing on the stage chain (see the module docstring).
+
+    With `selective`, the table's plans within the budget (least recompute first) and one region per
+    block are also tried with saved ops inside their regions (`selective.with_saved`).
+    """
     if selection not in ("auto", "exact", "tighten"):
         raise ValueError(f"selection: {selection!r} is not one of 'auto', 'exact', 'tighten'")
     config = DPConfig(max_stages=max_stages, slots=slots, selection=selection, max_retries=max_retries)
-    return DPPlanner(problem, config).plan(budget_bytes)
+    planner = DPPlanner(problem, config)
+    result = planner.plan(budget_bytes)
+    if not selective or budget_bytes is None or not any(node.saveable for node in problem.nodes):
+        return result
+    from .selective import block_regions, with_saved
+
+    fitting = [r for r in planner.candidates() if planner.simulate(r).peak_bytes <= budget_bytes]
+    fitting.sort(key=lambda r: (planner.time_of(r), len(r), r))
+    return with_saved(problem, budget_bytes, result, [*fitting[:SELECTIVE_CANDIDATES], block_regions(problem)])

@@ -133,6 +133,7 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
             input_bytes=problem.input_bytes,
             optimizer_bytes=problem.optimizer_bytes,
             name=problem.name,
+            region_overhead_s=problem.region_overhead_s,
         ),
         groups,
     )
@@ -345,7 +346,9 @@ def _solve_milp(
                 live -= frees.pop(j, 0)
             terms.append(peak * x[(s, e)])
         at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes)
-    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s]) * v for (s, e), v in x.items())
+    # Each region: its recompute time plus the fixed cost of its checkpoint call.
+    call = problem.region_overhead_s / tunit
+    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s] + call) * v for (s, e), v in x.items())
     prob += peak_var if budget is None else time_obj
     if infeasible:
         return None, {"status": "Infeasible"}
@@ -465,6 +468,12 @@ def _checked_solve(
     return regions, stats
 
 
+def _selective(problem: Problem, budget_bytes: int, result: SolverResult) -> SolverResult:
+    from .selective import block_regions, with_saved
+
+    return with_saved(problem, budget_bytes, result, [block_regions(problem)])
+
+
 @register("ilp")
 def ilp(
     problem: Problem,
@@ -477,6 +486,7 @@ def ilp(
     max_retries: int = 6,
     warm_start: bool = True,
     fallback: bool = True,
+    selective: bool = True,
 ) -> SolverResult:
     """Least recompute time over flat region plans (exact when the graph is not coarsened).
 
@@ -489,11 +499,12 @@ def ilp(
     `exact` (not coarsened: the MILP is the simulator's model), `check_failed` (the solver's answer
     disagreed with the cost model, see `_checked_solve`), `backend_failures` (failures retried with
     the other backend), `ilp_fallback` (why the plan comes from another solver, named in
-    `fallback_solver`).
+    `fallback_solver`). With `selective`, the plan found and one
+    region per block are also tried with saved ops inside their regions (`selective.with_saved`).
     """
     _backends(backend)  # an unknown or missing backend is the caller's error, never a fallback
     try:
-        return _ilp(problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start)
+        return _ilp(problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start, selective)
     except ILPSolveError as e:
         if not fallback:
             raise
@@ -518,6 +529,7 @@ def _ilp(
     max_nodes: int,
     max_retries: int,
     warm_start: bool,
+    selective: bool = True,
 ) -> SolverResult:
     n = problem.n
     if n == 0:
@@ -566,7 +578,8 @@ def _ilp(
         peak = simulate(problem, regions).peak_bytes
         logger.info("ilp: attempt %d gives peak %.1f MB (budget %.1f MB)", attempt + 1, peak / 1e6, budget_bytes / 1e6)
         if peak <= budget_bytes:
-            return SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+            result = SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+            return _selective(problem, budget_bytes, result) if selective else result
         best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
         target -= peak - budget_bytes
     # Nothing fits: the lowest peak the model reaches.

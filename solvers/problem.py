@@ -54,6 +54,11 @@ class Node:
     """Bytes of random-generator state a recomputed region holding this node saves at its start
     and keeps until its backward (0 for nodes that draw no random numbers); a region saves the
     largest of its nodes'."""
+    op: str = ""
+    """What the node computes (an aten op or module type name, e.g. 'aten.mm.default'), for policies."""
+    saveable: bool = False
+    """A selective region may keep this node's output instead of recomputing it (the profiler sets
+    it; False for in-place ops and outputs written in place later, whose cached value would be stale)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,14 @@ class Problem:
     optimizer_bytes: int = 0
     """Optimizer state, resident for the whole step (0 when no optimizer is counted)."""
     name: str = ""
+    region_overhead_s: float = 0.0
+    """Fixed cost of one checkpoint call over a step, forward and backward (seconds), measured."""
+    op_overhead_s: float = 0.0
+    """Cost of the selective-policy dispatch per op run inside a selective region (seconds)."""
+    step_time_s: float = 0.0
+    """Measured eager step time, forward and backward, no checkpointing (seconds; 0: unknown)."""
+    graph_overhead_s: float = 0.0
+    """Extra seconds per step of the captured graph against the eager model, measured."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -120,12 +133,23 @@ class Problem:
     def total_time(self) -> float:
         return sum(node.time for node in self.nodes)
 
+    @property
+    def base_step_s(self) -> float:
+        """Step time of the captured graph without checkpointing: measured eager step plus the graph's
+        own overhead, else three forwards (forward + a backward of about twice its cost). # seconds"""
+        eager = self.step_time_s if self.step_time_s > 0 else 3.0 * self.total_time
+        return eager + self.graph_overhead_s
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "param_bytes": self.param_bytes,
             "input_bytes": self.input_bytes,
             "optimizer_bytes": self.optimizer_bytes,
+            "region_overhead_s": self.region_overhead_s,
+            "op_overhead_s": self.op_overhead_s,
+            "step_time_s": self.step_time_s,
+            "graph_overhead_s": self.graph_overhead_s,
             "nodes": [asdict(node) for node in self.nodes],
             "storages": [asdict(st) for st in self.storages],
         }
@@ -143,6 +167,10 @@ class Problem:
             input_bytes=data.get("input_bytes", 0),
             optimizer_bytes=data.get("optimizer_bytes", 0),
             name=data.get("name", ""),
+            region_overhead_s=float(data.get("region_overhead_s", 0.0)),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            step_time_s=float(data.get("step_time_s", 0.0)),
+            graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
         )
 
     def fingerprint(self) -> str:
@@ -202,16 +230,19 @@ class Solution:
 
     `regions` are inclusive (start, end) node-index ranges, sorted by start and
     then by decreasing length, each either disjoint from or nested inside the
-    ones before it.
+    ones before it. `saved` are nodes inside regions whose outputs are kept
+    (a selective region: its other ops are recomputed), ascending.
     """
 
     regions: tuple[tuple[int, int], ...]
     solver: str
     peak_bytes: int
     recompute_time: float
+    """Predicted extra seconds per step: forward work re-run plus checkpoint-call and policy costs."""
     budget_bytes: int | None = None
     solve_time: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    saved: tuple[int, ...] = ()
 
     @property
     def feasible(self) -> bool:

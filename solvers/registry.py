@@ -28,6 +28,8 @@ class SolverResult:
 
     regions: tuple[tuple[int, int], ...]
     stats: dict[str, Any] = field(default_factory=dict)
+    saved: tuple[int, ...] = ()
+    """Nodes inside (non-nested) regions whose outputs a selective policy keeps."""
 
 
 SolverFn = Callable[..., SolverResult]
@@ -100,7 +102,7 @@ def solve(problem: Problem, budget_bytes: int | None = None, solver: str = "unif
     result = fn(problem, budget_bytes, **options)
     solve_time = time.perf_counter() - t0
     regions = normalize_regions(problem, result.regions)
-    sim = simulate(problem, regions)
+    sim = simulate(problem, regions, saved=result.saved)
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:
         smallest = int(result.stats.get("min_peak_bytes", sim.peak_bytes))
         raise InfeasibleBudgetError(budget_bytes, max(smallest, problem.fixed_bytes), solver, problem.fixed_bytes)
@@ -111,5 +113,6 @@ def solve(problem: Problem, budget_bytes: int | None = None, solver: str = "unif
         recompute_time=sim.recompute_time,
         budget_bytes=budget_bytes,
         solve_time=solve_time,
-        stats={**result.stats, "breakdown": sim.breakdown, "peak_phase": sim.peak_phase},
+        stats={**result.stats, "breakdown": sim.breakdown, "peak_phase": sim.peak_phase, "call_time": sim.call_time},
+        saved=tuple(sorted(result.saved)),
     )

@@ -13,6 +13,15 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   its saved storages stay until the backward of their last saving node.
 * Activation gradients live from the backward of their first consumer to
   the backward of their producer; parameter gradients stay once made.
+* Selective regions (`saved` nodes inside a region without nested regions;
+  `create_selective_checkpoint_contexts` with MUST_SAVE for those nodes):
+  a saved node's outputs are cached in the forward and stay until the
+  region's recompute has used them and their last saving node's backward
+  is done; the recompute takes them from the cache instead of re-running
+  the node, and re-runs every other node up to the region's stop.
+* Each checkpoint call costs `problem.region_overhead_s` per step, and every
+  op that runs under a selective policy (forward and recompute) costs
+  `problem.op_overhead_s`: both are added to the recompute time.
 
 This module is the one source of the figures that solvers optimise and
 reports print.
@@ -24,7 +33,7 @@ from dataclasses import dataclass, field
 
 from .problem import Problem, ProblemError
 
-__all__ = ["SimResult", "simulate", "normalize_regions", "region_parents"]
+__all__ = ["SimResult", "simulate", "normalize_regions", "normalize_saved", "region_parents"]
 
 CATEGORIES = (
     "parameters",
@@ -43,7 +52,8 @@ class SimResult:
     peak_bytes: int
     """Predicted peak memory of the step, fixed memory included."""
     recompute_time: float
-    """Seconds of forward work re-run during backward."""
+    """Predicted extra seconds per step: forward work re-run during backward, plus the checkpoint
+    calls' fixed cost and the selective-policy dispatch (`call_time`)."""
     peak_phase: str
     """'forward', 'recompute' or 'backward': where the peak happens."""
     peak_node: int
@@ -52,6 +62,8 @@ class SimResult:
     """Bytes per category at the peak (see CATEGORIES); they sum to peak_bytes."""
     timeline: list[tuple[str, int, int]] = field(default_factory=list)
     """(phase, node, bytes) after every event, when asked for."""
+    call_time: float = 0.0
+    """The part of recompute_time that is checkpoint-call and policy-dispatch cost. # seconds"""
 
 
 def normalize_regions(problem: Problem, regions) -> tuple[tuple[int, int], ...]:
@@ -72,6 +84,35 @@ def normalize_regions(problem: Problem, regions) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def normalize_saved(problem: Problem, regions: tuple[tuple[int, int], ...], saved) -> tuple[int, ...]:
+    """Sorted saved nodes; each must be saveable and inside a region that neither nests nor is nested."""
+    out = tuple(sorted({int(i) for i in saved}))
+    if not out:
+        return out
+    parents = region_parents(regions)
+    flat = [not (parents[r] >= 0 or any(p == r for p in parents)) for r in range(len(regions))]
+    for i in out:
+        where = [r for r, (s, e) in enumerate(regions) if s <= i <= e]
+        if not where:
+            raise ProblemError(f"saved: node {i} is not inside a region")
+        if not flat[where[-1]]:
+            raise ProblemError(f"saved: node {i} is in a nested region; selective regions do not nest")
+        if not problem.nodes[i].saveable:
+            raise ProblemError(f"saved: node {problem.nodes[i].name!r} may not be kept by a selective region")
+    return out
+
+
+def call_time(problem: Problem, regions: tuple[tuple[int, int], ...], saved: tuple[int, ...], stops: list[int]) -> float:
+    """Checkpoint-call and selective-dispatch seconds of a plan (stops: last recomputed node per region)."""
+    total = problem.region_overhead_s * len(regions)
+    if saved and problem.op_overhead_s:
+        marked = set(saved)
+        for (s, e), stop in zip(regions, stops):
+            if any(s <= i <= e for i in marked):
+                total += problem.op_overhead_s * ((e - s + 1) + max(0, stop - s + 1))
+    return total
+
+
 def region_parents(regions: tuple[tuple[int, int], ...]) -> list[int]:
     """parents[r]: index of the innermost region containing region r, or -1."""
     parents, stack = [], []
@@ -83,9 +124,13 @@ def region_parents(regions: tuple[tuple[int, int], ...]) -> list[int]:
     return parents
 
 
-def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResult:
+def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) -> SimResult:
     """Predict the peak memory and the recompute time of one training step."""
     regions = normalize_regions(problem, regions)
+    saved = normalize_saved(problem, regions, saved)
+    is_saved = [False] * problem.n
+    for i in saved:
+        is_saved[i] = True
     n, storages, nodes = problem.n, problem.storages, problem.nodes
     parents = region_parents(regions)
     inner = [-1] * n  # innermost region of each node; regions sorted outer-first
@@ -159,8 +204,12 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
                 release_at[j].append((state, category))
             for t in produced[j]:
                 st = storages[t]
+                if is_saved[j] and ctx >= 0:
+                    continue  # taken from the selective cache, held since the forward
                 live[category] += st.nbytes
                 keep = release_step(t, ctx)
+                if is_saved[j]:
+                    keep = cached_release[t]
                 if ctx == -1 and st.is_output:
                     continue  # alive for the whole step
                 if keep is not None:
@@ -171,9 +220,6 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
             if free_at[j - lo]:
                 live[category] -= sum(free_at[j - lo])
                 observe(phase, j)
-
-    if n:
-        forward_pass(0, n - 1, -1, "forward", "activations")
 
     # Which regions recompute at which backward step, and how far.
     trigger: dict[int, list[int]] = {}
@@ -188,12 +234,37 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
         if savers and stop >= s:
             trigger.setdefault(max(savers), []).append(r)
 
+    def trigger_of(r: int) -> list[int]:
+        return [k for k, rs in trigger.items() if r in rs] or [regions[r][0]]
+
+    # A saved node's outputs: cached from the forward until the region's recompute has taken them and
+    # their saving nodes' backward is done (or, never taken, until the region's backward ends).
+    cached_release: dict[int, int] = {}
+    for t, st in enumerate(storages):
+        p = st.producer
+        if not is_saved[p]:
+            continue
+        r = inner[p]
+        normal = release_step(t, -1)
+        steps = [normal] if normal is not None else []
+        if stops[r] >= p:
+            steps.append(max(trigger_of(r)))
+            inside = release_step(t, r)
+            if inside is not None:
+                steps.append(inside)
+        else:
+            steps.append(regions[r][0])
+        cached_release[t] = min(steps)  # backward runs from n - 1 down: the smallest step is the latest
+
+    if n:
+        forward_pass(0, n - 1, -1, "forward", "activations")
+
     recompute_time = 0.0
     grad_live = [False] * n
     for k in range(n - 1, -1, -1):
         for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
             s = regions[r][0]
-            recompute_time += sum(nodes[i].time for i in range(s, stops[r] + 1))
+            recompute_time += sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
             forward_pass(s, stops[r], r, "recompute", "recomputed")
         node = nodes[k]
         extra = 0
@@ -212,9 +283,11 @@ def simulate(problem: Problem, regions=(), *, timeline: bool = False) -> SimResu
         if release_at[k]:
             observe("backward", k)
 
+    calls = call_time(problem, regions, saved, stops)
     return SimResult(
         peak_bytes=max(best["bytes"], sum(fixed.values())),
-        recompute_time=recompute_time,
+        recompute_time=recompute_time + calls,
+        call_time=calls,
         peak_phase=best["phase"],
         peak_node=best["node"],
         breakdown=best["breakdown"],

@@ -59,10 +59,11 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
     planners = _planners(problem, solver, dict(options))
     sims: dict[tuple, Any] = {}
 
-    def sim(regions):
-        if regions not in sims:
-            sims[regions] = simulate(problem, regions)
-        return sims[regions]
+    def sim(regions, saved=()):
+        key = (regions, tuple(saved))
+        if key not in sims:
+            sims[key] = simulate(problem, regions, saved=saved)
+        return sims[key]
 
     out: list[Solution | None] = [None] * len(budgets)
     carried: Solution | None = None
@@ -73,15 +74,15 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
         for name, plan in planners.items():
             result: SolverResult = plan(budget)
             regions = normalize_regions(problem, result.regions)
-            s = sim(regions)
+            s = sim(regions, result.saved)
             if s.peak_bytes <= budget and (best is None or (s.recompute_time, s.peak_bytes) < best[0]):
-                best = ((s.recompute_time, s.peak_bytes), name, regions, result.stats, s)
+                best = ((s.recompute_time, s.peak_bytes), name, regions, result.stats, s, result.saved)
         elapsed = time.perf_counter() - t0
         logger.info(
             "sweep: budget %d/%d (%.1f MB) in %.2f s: %s", step, len(budgets), budget / 1e6, elapsed, best[1] if best is not None else "nothing fits",
         )
         if best is not None:
-            (_, _), name, regions, stats, s = best
+            (_, _), name, regions, stats, s, saved = best
             sol = Solution(
                 regions=regions,
                 solver=name if solver == "auto" else solver,
@@ -90,6 +91,7 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
                 budget_bytes=budget,
                 solve_time=elapsed,
                 stats={**stats, "breakdown": s.breakdown, "peak_phase": s.peak_phase},
+                saved=tuple(sorted(saved)),
             )
             if carried is not None and carried.recompute_time < sol.recompute_time:
                 sol = Solution(**{**carried.__dict__, "budget_bytes": budget, "solve_time": elapsed})

@@ -21,9 +21,9 @@ from tests.models import ALL, LOCAL
 FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 
 
-def midway_plan(model, inputs, frac=0.5):
+def midway_plan(model, inputs, frac=0.5, config=FAST):
     """A plan halfway between the smallest feasible budget and the baseline peak (one profile)."""
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=config)
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.plan(budget_bytes=1, solver="uniform")
     low = info.value.smallest_bytes
@@ -70,7 +70,9 @@ def test_optimizer_on_original_parameters_trains_the_plan():
     model, inputs = LOCAL["cnn"]()
     reference = type(model)(c=8, blocks=3)
     reference.load_state_dict(model.state_dict())
-    plan = midway_plan(model, inputs)
+    # Measured times as uniform saw them before anchoring: with the fitted ones its cuts on this small CNN
+    # save too little for a midway budget to need a region.
+    plan = midway_plan(model, inputs, config=ProfileConfig(warmup=0, repeats=1, anchor=False, overheads=False))
     assert plan.regions
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)

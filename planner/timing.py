@@ -1,0 +1,214 @@
+"""The time side of the profile: robust per-node times, and the costs a plan pays besides recompute.
+
+* Per-node times from several timed runs: the median of the fastest half
+  (a loaded machine only ever adds time). With `anchor` (the default), each
+  node's time is then the median over every node that runs the same op on
+  the same sizes (a model's layers repeat them: 4 layers x 5 runs are 20
+  samples), rounded to a geometric grid of 2^(1/4). A spike in one run of
+  one layer moves neither the median nor the grid point, so two runs on a
+  busy machine give the same times and the same plan.
+* `call_overheads`: the fixed cost of one non-reentrant checkpoint call
+  over a step (forward, recompute, backward) and of the selective policy per
+  op, measured once on the device on tiny regions.
+* `step_times`: the eager model's step and the captured graph's, so that
+  the predicted step time counts the graph's own overhead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .graph import CostGraph
+
+__all__ = [
+    "robust_times",
+    "anchor_times",
+    "call_overheads",
+    "step_times",
+    "quantize",
+    "with_step_times",
+    "finish_profile",
+    "node_kind",
+]
+
+GRID = 4  # steps per doubling of the time grid
+TINY_OPS = 16  # ops in the regions timed by call_overheads
+TIMED_STEPS = 7  # timed repeats of each overhead measurement (the fastest is kept)
+
+
+def quantize(seconds: float) -> float:
+    """Round to the nearest point of a geometric grid of 2^(1/GRID); 0 stays 0."""
+    if seconds <= 0 or not math.isfinite(seconds):
+        return 0.0
+    return 2.0 ** (round(math.log2(seconds) * GRID) / GRID)
+
+
+def robust_times(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Per node: the median of the fastest half of its timed runs. # seconds"""
+    out = {}
+    for name, ts in samples.items():
+        fastest = sorted(ts)[: max(1, (len(ts) + 1) // 2)]
+        out[name] = statistics.median(fastest)
+    return out
+
+
+def anchor_times(cost: CostGraph) -> CostGraph:
+    """Each node's time: the median over the nodes that run the same op on the same sizes (the layers
+    of a model repeat them), rounded to the time grid. See the module docstring."""
+    nodes = cost.nodes
+    if not nodes or cost.time_source != "measured":
+        return cost
+    groups: dict[tuple, list[float]] = {}
+    keys = []
+    for n in nodes:
+        key = (n.kind or n.target, n.flops, n.out_bytes, tuple(sorted(cost.storages[t].nbytes for t in n.reads)))
+        keys.append(key)
+        groups.setdefault(key, []).append(n.time)
+    typical = {key: quantize(statistics.median(ts)) for key, ts in groups.items()}
+    fitted = tuple(replace(n, time=typical[key]) for n, key in zip(nodes, keys))
+    return replace(cost, nodes=fitted, time_source="fitted")
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    best = math.inf
+    fn()
+    for _ in range(TIMED_STEPS):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(seconds per checkpoint call per step, seconds per op run under a selective policy), measured."""
+    device = torch.device(device)
+    sync = _sync_for(device)
+    x = torch.randn(8, device=device, requires_grad=True)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(TINY_OPS):
+            t = torch.sin(t)  # saves its input: the recompute runs
+        return t
+
+    def step(wrap) -> Callable[[], None]:
+        return lambda: wrap(x).sum().backward()
+
+    def each(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(TINY_OPS):
+            t = checkpoint(torch.sin, t, use_reentrant=False)
+        return t
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(chain, t, use_reentrant=False)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def one_selective(t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(
+            chain, t, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
+        )
+
+    # TINY_OPS regions against one region of the same ops: the same recompute, TINY_OPS - 1 more calls.
+    region = _timed(step(one), sync)
+    per_call = max(0.0, (_timed(step(each), sync) - region) / (TINY_OPS - 1))
+    per_op = max(0.0, (_timed(step(one_selective), sync) - region) / (2 * TINY_OPS))
+    x.grad = None
+    return quantize(per_call), quantize(per_op)
+
+
+def _loss(out: Any) -> torch.Tensor | None:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in leaves if t.is_floating_point() or t.is_complex()]
+    if not leaves:
+        return None
+    return sum(t.float().sum() if t.is_floating_point() else t.real.float().sum() for t in leaves)
+
+
+def step_times(model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[float, float]:
+    """(eager step, captured graph's step) in seconds, the fastest of a few interleaved runs; (0, 0) when
+    a step cannot be run this way. The caller restores the model's state (gradients, buffers, RNG)."""
+    sync = _sync_for(device)
+
+    def run(mod) -> None:
+        loss = _loss(mod(*args, **kwargs))
+        if loss is not None:
+            loss.backward()
+
+    try:
+        run(model)
+        run(graph)
+        eager = graph_s = math.inf
+        for _ in range(3):
+            for which in ("eager", "graph"):
+                sync()
+                t0 = time.perf_counter()
+                run(model if which == "eager" else graph)
+                sync()
+                dt = time.perf_counter() - t0
+                if which == "eager":
+                    eager = min(eager, dt)
+                else:
+                    graph_s = min(graph_s, dt)
+    except Exception:  # noqa: BLE001 - a model whose step we cannot run here is planned without these figures
+        return 0.0, 0.0
+    return eager, graph_s
+
+
+def with_step_times(cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict) -> CostGraph:
+    """The profile with the eager step time and the captured graph's overhead against it, measured."""
+    if cost.time_source == "flops":
+        return cost
+    device = torch.device(cost.device)
+    eager_s, graph_s = step_times(model, graph, args, kwargs, device)
+    if eager_s <= 0 or graph_s <= 0:
+        return cost
+    return replace(cost, step_time_s=quantize(eager_s), graph_overhead_s=quantize(max(0.0, graph_s - eager_s)))
+
+
+def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
+    """The op a node runs, for policies: 'aten.mm.default', 'matmul', 'Linear', 'Conv2d'."""
+    if n.op == "call_module":
+        return type(gm.get_submodule(str(n.target))).__name__
+    if n.op == "call_method":
+        return str(n.target)
+    if isinstance(n.target, torch._ops.OpOverload):
+        return str(n.target)
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def finish_profile(cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device) -> CostGraph:
+    """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`)."""
+    from .rewrite import compute_nodes
+    from .selective import saveable_flags
+
+    compute = compute_nodes(gm.graph)
+    flags = saveable_flags(gm)
+    nodes = tuple(
+        replace(c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0)
+        for c, n, flag in zip(cost.nodes, compute, flags)
+    )
+    cost = replace(cost, nodes=nodes)
+    if anchor:
+        cost = anchor_times(cost)
+    if overheads and device.type != "meta" and cost.time_source != "flops":
+        region_s, op_s = call_overheads(device)
+        cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s)
+    return cost

@@ -1,0 +1,149 @@
+"""Selective regions on real models: exact, the kept ops not re-run, in the plan file, deterministic plans."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from ckpt_planner import Plan, optimize
+from ckpt_planner.api import Planner
+from ckpt_planner.examples import TinyGPT
+from ckpt_planner.profile import ProfileConfig
+from ckpt_planner.rewrite import CheckpointRegion, rewrite
+from ckpt_planner.selective import saveable_flags
+from ckpt_planner.solvers import simulate, solve
+from ckpt_planner.solvers.basic import segment_runs
+from ckpt_planner.solvers.selective import is_heavy
+from ckpt_planner.timing import anchor_times
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .test_hazards import METHODS, ConvBN, Noisy, compare, step
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def selective_module(model, x, method, keep=is_heavy):
+    planner = Planner(model, x, capture_method=method)
+    problem = planner.problem
+    regions = segment_runs(problem)
+    saved = [i for s, e in regions for i in range(s, e + 1) if problem.nodes[i].saveable and keep(problem.nodes[i].op)]
+    assert saved, "the test needs kept ops"
+    gm = planner.capture.graph_module
+    return rewrite(gm, regions, model=model, saved=saved), rewrite(gm, regions, model=model)
+
+
+def heavy_calls(module, model, x) -> int:
+    counter = OpCount()
+    with counter:
+        step(module, model, x)
+    return sum(v for k, v in counter.counts.items() if k in ("addmm", "mm", "convolution", "bmm"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("make", [ConvBN, Noisy], ids=["batchnorm", "random"])
+def test_selective_regions_exact_and_keep_their_ops(method, make):
+    torch.manual_seed(0)
+    model = make().train()
+    x = torch.randn(4, 3, 8, 8) if make is ConvBN else torch.randn(8, 16)
+    module, plain = selective_module(model, x, method)
+    regions = [m for m in module.modules() if isinstance(m, CheckpointRegion)]
+    assert regions and any(r.saved_positions for r in regions)
+    before = dict(model.named_buffers())
+    before = {k: v.clone() for k, v in before.items()}
+    assert compare(model, module, x) == (True, True, True)  # outputs, gradients, buffers bitwise
+    for k, v in model.named_buffers():
+        if k.endswith("num_batches_tracked"):
+            assert v.item() == before[k].item() + 1  # compare() restarts from the same buffers: one update
+    # The kept matmuls/convolutions are not run again in backward; the plain region re-runs them.
+    eager = heavy_calls(model, model, x)
+    assert heavy_calls(module, model, x) < heavy_calls(plain, model, x)
+    assert heavy_calls(module, model, x) >= eager
+
+
+class WritesLater(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.mul_(2.0)  # h's value changes after `a` ran: a cached copy of a's output would be stale
+        return self.b(torch.relu(h))
+
+
+def test_outputs_written_in_place_are_not_saveable():
+    planner = Planner(WritesLater().train(), torch.randn(4, 8), capture_method="symbolic_trace")
+    flags = dict(zip((n.name for n in planner.cost.nodes), saveable_flags(planner.capture.graph_module)))
+    assert flags["a"] is False and flags["mul_"] is False
+    assert flags["b"] is True
+    assert not planner.problem.nodes[0].saveable
+
+
+def small_gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, d=64, layers=3, heads=4, seq=32, dropout=0.1).train()
+    x = torch.randint(0, 128, (2, 32))
+    return model, (x, x)
+
+
+def test_selective_plan_in_the_file_and_rebuilt(tmp_path):
+    model, inputs = small_gpt()
+    plan = optimize(model, inputs, activation_budget=0.95, solver="selective")
+    kept = plan.saved_indices()
+    assert kept and all(r.saved_ops for r in plan.regions)
+    assert "predicted step time" in plan.summary()
+    assert plan.to_dict()["regions"][0]["saved_ops"]
+    assert plan.predicted_step_s > plan.eager_step_s > 0
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded.saved_indices() == kept
+    assert loaded.predicted_step_s == plan.predicted_step_s
+    module = loaded.rebuild(model, inputs)
+    assert any(m.saved_positions for m in module.modules() if isinstance(m, CheckpointRegion))
+    assert compare(model, module, inputs) == (True, True, True)
+
+
+def test_load_spikes_do_not_move_anchored_times():
+    """A run where one layer's ops were slowed by a busy machine gives the same times as a quiet run."""
+    model, inputs = small_gpt()
+    planner = Planner(model, inputs, profile_config=ProfileConfig(anchor=True, overheads=False))
+    quiet = dataclasses.replace(planner.cost, time_source="measured")  # every layer's op takes the same time
+    noisy_nodes = tuple(
+        dataclasses.replace(n, time=n.time * 3.0) if n.module.startswith("blocks.1") else n for n in quiet.nodes
+    )
+    noisy = dataclasses.replace(quiet, nodes=noisy_nodes)
+    a, b = anchor_times(quiet), anchor_times(noisy)
+    same_ops = sum(1 for n in a.nodes if n.module.startswith("blocks.1"))
+    assert same_ops and [n.time for n in a.nodes] == [n.time for n in b.nodes]
+    budget = simulate(a.to_problem(), ()).peak_bytes * 3 // 4
+    plans = [solve(c.to_problem(), budget, "auto") for c in (a, b)]
+    assert (plans[0].regions, plans[0].saved) == (plans[1].regions, plans[1].saved)
+
+
+def test_optimize_twice_gives_the_same_plan():
+    """dp (with kept ops): same model, inputs and budget, same plan. (auto adds the MILP, whose bundled
+    CBC binary can crash on a loaded machine; its time limit could also cut it at another point.)"""
+    model, inputs = small_gpt()
+    model, inputs = model.to("meta"), tuple(x.to("meta") for x in inputs)  # FLOP-based times: no clock involved
+    plans = [optimize(model, inputs, activation_budget=0.75, solver="dp", device="meta") for _ in range(2)]
+    a, b = (p.to_dict() for p in plans)
+    assert a["regions"] == b["regions"]  # regions, saved ops and the figures per region
+    assert a["predicted_peak_bytes"] == b["predicted_peak_bytes"]
+
+
+def test_random_ops_are_not_saveable():
+    """Dropout fills its mask in place inside the op: a kept copy would be checked as mutated."""
+    planner = Planner(Noisy().train(), torch.randn(8, 16), capture_method="symbolic_trace")
+    flags = dict(zip((n.name for n in planner.cost.nodes), saveable_flags(planner.capture.graph_module)))
+    assert flags["drop"] is False and flags["a"] is True
