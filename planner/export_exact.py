@@ -21,8 +21,10 @@ key/value heads before the repeat. At run time `eager_attention_mask` takes eage
 actual mask: None when it is exactly the causal mask (every key position present) or allows
 everything, where eager's own skip was possible for that mask (recorded during export by
 `recording_mask_skips`: the skip functions, and with no attention mask the packed-sequence check,
-are only called where the model allows the skip; never for local attention at or beyond its
-window). `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and
+are only called where the model allows the skip). All of it is decided on the call's own lengths:
+the capture keeps batch and sequence symbolic (shapes.py), so a shorter sequence may fall under a
+sliding window that the example reached, where eager then drops the mask; the query/key lengths are
+compared as symbolic expressions, never guarded. `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and
 `repeat_kv`, like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
 Under torch.compile the mask is kept (the exported graph's own semantics: nothing data-dependent to
 break the graph). On fake or meta tensors (planning without data) the mask is dropped wherever eager
@@ -68,10 +70,6 @@ class MaskSkip:
     """Key length (tokens) the mask was built for."""
     local_attention_size: int | None
     """Sliding-window / chunk size (tokens); eager never drops a mask at or beyond it."""
-
-    @property
-    def possible(self) -> bool:
-        return self.local_attention_size is None or self.kv_length < self.local_attention_size
 
 
 @contextlib.contextmanager
@@ -263,10 +261,13 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         q_len, kv_len = _length(query), _length(a["key"])
         if keys is None or values is None or q_len is None or kv_len is None or _hint(q_len) <= 1:
             continue
-        window = _local_size(module)
         # The skip functions are called wherever the model allows a skip, also at or beyond the window
         # (where they decline): the window is checked on each call's own length (eager_attention_mask).
-        possible = {s.kind for s in skips if s.kv_length == _hint(kv_len)}
+        matching = [s for s in skips if s.kv_length == _hint(kv_len)]
+        possible = {s.kind for s in matching}
+        window = _local_size(module)
+        if window is None and matching and all(s.local_attention_size is not None for s in matching):
+            window = min(s.local_attention_size for s in matching)  # every such mask was local: its size
         causal_ok, bidirectional_ok = "causal" in possible and _same_size(q_len, kv_len), "bidirectional" in possible
         if not (causal_ok or bidirectional_ok):
             continue
