@@ -186,7 +186,8 @@ def test_planned_at_one_shape_is_bitwise_at_a_smaller_one(kind: str) -> None:
     except InfeasibleBudgetError as e:
         plan = planner.plan(solver="dp", budget_bytes=e.smallest_bytes)
     assert plan.regions
-    for batch, seq, mask in ((1, 32, "ones"), (2, 40, "padded")):
+    # At 1 x 32 both backward orders happen to round alike on CPU: the decision itself is checked too.
+    for batch, seq, mask in ((2, 48, "ones"), (1, 32, "ones"), (2, 40, "padded")):
         inputs = _inputs(mask, batch=batch, seq=seq)
         assert _dropped(gm, inputs) == (mask != "padded"), (batch, seq, mask)
         report = verify(model, plan, inputs, repeats=1)
