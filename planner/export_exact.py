@@ -21,8 +21,10 @@ key/value heads before the repeat. At run time `eager_attention_mask` takes eage
 actual mask: None when it is exactly the causal mask (every key position present) or allows
 everything, where eager's own skip was possible for that mask (recorded during export by
 `recording_mask_skips`: the skip functions, and with no attention mask the packed-sequence check,
-are only called where the model allows the skip; never for local attention at or beyond its
-window). `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and
+are only called where the model allows the skip). All of it is decided on the call's own lengths:
+the capture keeps batch and sequence symbolic (shapes.py), so a shorter sequence may fall under a
+sliding window that the example reached, where eager then drops the mask; the query/key lengths are
+compared as symbolic expressions, never guarded. `eager_scaled_dot_product_attention` then calls transformers' own `use_gqa_in_sdpa` and
 `repeat_kv`, like `sdpa_attention_forward`. A padded batch keeps its mask and repeated heads, as in eager.
 Under torch.compile the mask is kept (the exported graph's own semantics: nothing data-dependent to
 break the graph). On fake or meta tensors (planning without data) the mask is dropped wherever eager
@@ -68,10 +70,6 @@ class MaskSkip:
     """Key length (tokens) the mask was built for."""
     local_attention_size: int | None
     """Sliding-window / chunk size (tokens); eager never drops a mask at or beyond it."""
-
-    @property
-    def possible(self) -> bool:
-        return self.local_attention_size is None or self.kv_length < self.local_attention_size
 
 
 @contextlib.contextmanager
@@ -120,15 +118,21 @@ def _plain(t: Any) -> bool:
     return type(t) is torch.Tensor and t.device.type != "meta"
 
 
-def eager_attention_mask(mask: torch.Tensor, *, causal: bool, bidirectional: bool) -> torch.Tensor | None:
+def eager_attention_mask(
+    mask: torch.Tensor, *, causal: bool, bidirectional: bool, window: int | None = None
+) -> torch.Tensor | None:
     """None where eager transformers drops this boolean mask [B, 1|H, Q, K]; else the mask.
 
     causal: the causal skip is possible here (eager drops the mask when it is exactly the causal
-    mask, Q = K); bidirectional: eager drops a mask that allows every position.
+    mask, Q = K); bidirectional: eager drops a mask that allows every position; window: the
+    attention's sliding window or chunk (tokens), at or beyond which eager keeps any mask. All
+    decided on this call's lengths, not the captured example's (a dynamic-shape capture runs others).
     """
     if torch.compiler.is_compiling():
         return mask
     q, k = mask.shape[-2], mask.shape[-1]
+    if window is not None and k >= window:
+        return mask
     # The same temporaries with and without values, so a plan made on the meta device counts them.
     everything = mask.all() if bidirectional else None  # [] bool
     lower = torch.ones(q, k, dtype=torch.bool, device=mask.device).tril_() if causal and q == k else None  # [Q, K]
@@ -168,19 +172,40 @@ def eager_scaled_dot_product_attention(
 
 
 def _unrepeat(node: Any, n_rep: int) -> tuple[fx.Node, list[fx.Node]] | None:
-    """The key/value heads before `repeat_kv` (unsqueeze(2) -> expand -> reshape), and the chain's nodes."""
+    """The key/value heads before `repeat_kv` (unsqueeze(2) -> expand -> reshape), and the chain's nodes.
+
+    Under dynamic shapes `hidden_states[:, :, None, :, :]` also leaves whole-dimension slices around
+    the unsqueeze (torch cannot drop a slice of a symbolic size without a guard); they are skipped.
+    """
     if n_rep == 1:
         return node, []
-    chain = []
-    for op in (torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default):
+    chain: list[fx.Node] = []
+    for op in (torch.ops.aten.reshape.default, torch.ops.aten.expand.default):
         if not isinstance(node, fx.Node) or node.target is not op:
             return None
         chain.append(node)
         node = node.args[0]
     expand = chain[1]
-    if chain[2].args[1] != 2 or len(expand.args[1]) != 5 or expand.args[1][2] != n_rep:
+    node = _skip_whole_slices(node, chain)
+    if not isinstance(node, fx.Node) or node.target is not torch.ops.aten.unsqueeze.default or node.args[1] != 2:
+        return None
+    chain.append(node)
+    node = _skip_whole_slices(node.args[0], chain)
+    if len(expand.args[1]) != 5 or expand.args[1][2] != n_rep or not isinstance(node, fx.Node):
         return None
     return node, chain
+
+
+def _skip_whole_slices(node: Any, chain: list[fx.Node]) -> Any:
+    """The input below any slices that keep their whole dimension (start 0, end past it, step 1)."""
+    while isinstance(node, fx.Node) and node.target is torch.ops.aten.slice.Tensor:
+        defaults = [None, 0, None, None, 1]  # aten.slice.Tensor(self, dim=0, start=None, end=None, step=1)
+        _, _, start, end, step = list(node.args) + defaults[len(node.args):]
+        if start not in (0, None) or step != 1 or not (end is None or (isinstance(end, int) and end >= sys.maxsize)):
+            break
+        chain.append(node)
+        node = node.args[0]
+    return node
 
 
 def _module_of(node: fx.Node, model: torch.nn.Module) -> torch.nn.Module | None:
@@ -234,19 +259,25 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         n_rep = 1 if a["enable_gqa"] else int(getattr(module, "num_key_value_groups", 1) or 1)
         keys, values = _unrepeat(a["key"], n_rep), _unrepeat(a["value"], n_rep)
         q_len, kv_len = _length(query), _length(a["key"])
-        if keys is None or values is None or q_len is None or kv_len is None or q_len <= 1:
+        if keys is None or values is None or q_len is None or kv_len is None or _hint(q_len) <= 1:
             continue
+        # The skip functions are called wherever the model allows a skip, also at or beyond the window
+        # (where they decline): the window is checked on each call's own length (eager_attention_mask).
+        matching = [s for s in skips if s.kv_length == _hint(kv_len)]
+        possible = {s.kind for s in matching}
         window = _local_size(module)
-        in_window = window is None or kv_len < window
-        possible = {s.kind for s in skips if s.kv_length == kv_len and s.possible and in_window}
-        causal_ok, bidirectional_ok = "causal" in possible and q_len == kv_len, "bidirectional" in possible
+        if window is None and matching and all(s.local_attention_size is not None for s in matching):
+            window = min(s.local_attention_size for s in matching)  # every such mask was local: its size
+        causal_ok, bidirectional_ok = "causal" in possible and _same_size(q_len, kv_len), "bidirectional" in possible
         if not (causal_ok or bidirectional_ok):
             continue
-        key = (mask, causal_ok, bidirectional_ok)
+        key = (mask, causal_ok, bidirectional_ok, window)
         if key not in decided:
             with graph.inserting_after(mask):
                 d = graph.call_function(
-                    eager_attention_mask, (mask,), {"causal": causal_ok, "bidirectional": bidirectional_ok}
+                    eager_attention_mask,
+                    (mask,),
+                    {"causal": causal_ok, "bidirectional": bidirectional_ok, "window": window},
                 )
             d.meta.update({k: v for k, v in mask.meta.items() if k in ("nn_module_stack", "stack_trace")})
             decided[key] = d
@@ -284,13 +315,25 @@ def _local_size(module: torch.nn.Module) -> int | None:
     return window if isinstance(window, int) else None
 
 
-def _length(node: Any) -> int | None:
-    """Sequence length (dim -2) of a [B, H, T, D] node's example value; None if unknown or symbolic."""
+def _length(node: Any) -> int | torch.SymInt | None:
+    """Sequence length (dim -2) of a [B, H, T, D] node's example value (symbolic under dynamic shapes); None if unknown."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     try:
-        return _hint(val.shape[-2])
-    except (AttributeError, IndexError, TypeError, RuntimeError):
+        size = val.shape[-2]
+    except (AttributeError, IndexError, TypeError):
         return None
+    return size if isinstance(size, (int, torch.SymInt)) else None
+
+
+def _same_size(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
+    """Equal for every shape the graph takes, decided without a guard: the same int, or the same
+    symbolic expression (two sizes equal only at the example, such as two dynamic dimensions that
+    happen to match, are not)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        if not (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)):
+            return False
+        return bool(a.node.expr == b.node.expr)  # sympy structural equality: no guard
+    return int(a) == int(b)
 
 
 def _hint(n: Any) -> int:

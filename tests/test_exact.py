@@ -43,15 +43,15 @@ def _decoder(kind: str, **extra):
     return model_cls(config).train()
 
 
-def _inputs(mask: str = "ones") -> dict:
+def _inputs(mask: str = "ones", *, batch: int = 2, seq: int = SEQ) -> dict:
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, SEQ))
+    ids = torch.randint(0, 128, (batch, seq))
     inputs = {"input_ids": ids, "labels": ids}
     if mask == "ones":
         inputs["attention_mask"] = torch.ones_like(ids)
     elif mask == "padded":
         inputs["attention_mask"] = torch.ones_like(ids)
-        inputs["attention_mask"][1, :10] = 0  # left padding in the second sequence
+        inputs["attention_mask"][-1, :10] = 0  # left padding in the last sequence
     return inputs
 
 
@@ -79,6 +79,34 @@ def _captured(model, inputs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return capture(model, inputs, method="export").graph_module
+
+
+def _dropped(gm, inputs) -> bool:
+    """Whether the graph's attention ran without a mask on these inputs (eager's skip taken)."""
+    decisions = []
+    for node in gm.graph.nodes:
+        if node.target is eager_scaled_dot_product_attention:
+            decisions.append(node.args[3])
+    assert len(decisions) == 1
+    seen = []
+    decide = decisions[0]
+    original = decide.target
+
+    def spy(*a, **k):
+        out = original(*a, **k)
+        seen.append(out is None)
+        return out
+
+    decide.target = spy
+    gm.recompile()
+    try:
+        with torch.no_grad():
+            gm(**inputs)
+    finally:
+        decide.target = original
+        gm.recompile()
+    assert len(seen) == 1
+    return seen[0]
 
 
 def _rewritten(gm) -> int:
@@ -126,15 +154,45 @@ def test_mask_is_decided_per_batch(captured_with: str, run_with: str) -> None:
     assert same and diff == 0.0, diff
 
 
-@pytest.mark.parametrize("window,rewritten", [(SEQ, 0), (2 * SEQ, 1)])
-def test_sliding_window_keeps_eager_mask(window: int, rewritten: int) -> None:
-    """At or beyond its window eager keeps the (here causal-looking) mask; the graph must keep it too."""
+@pytest.mark.parametrize("window", [SEQ, 2 * SEQ])
+def test_sliding_window_keeps_eager_mask(window: int) -> None:
+    """At or beyond its window eager keeps the (here causal-looking) mask; the graph must keep it too.
+
+    The graph takes shorter sequences (dynamic shapes), so the window is checked on each call's length:
+    at half the window eager drops the mask, and so must the graph.
+    """
     model = _decoder("mistral", sliding_window=window)
     for mask in ("ones", "none"):
         gm = _captured(model, _inputs(mask))
-        assert _rewritten(gm) == rewritten
-        same, diff = _max_grad_diff(model, gm, _inputs(mask))
-        assert same and diff == 0.0, (window, mask, diff)
+        assert _rewritten(gm) == 1
+        for seq in (SEQ, window // 2):
+            inputs = _inputs(mask, seq=seq)
+            assert _dropped(gm, inputs) == (seq < window), (window, mask, seq)
+            same, diff = _max_grad_diff(model, gm, inputs)
+            assert same and diff == 0.0, (window, mask, seq, diff)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_planned_at_one_shape_is_bitwise_at_a_smaller_one(kind: str) -> None:
+    """Planned at 2 x 48 tokens, run at 1 x 32: the dynamic-shape graph still takes eager's attention path."""
+    model = _decoder(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, _inputs(batch=2, seq=48), profile_config=ProfileConfig(warmup=0, repeats=1))
+    gm = planner.capture.graph_module
+    assert planner.capture.dynamic_dims and _rewritten(gm) == 1
+    try:
+        plan = planner.plan(solver="dp", activation_budget=0.5)
+    except InfeasibleBudgetError as e:
+        plan = planner.plan(solver="dp", budget_bytes=e.smallest_bytes)
+    assert plan.regions
+    # At 1 x 32 both backward orders happen to round alike on CPU: the decision itself is checked too.
+    for batch, seq, mask in ((2, 48, "ones"), (1, 32, "ones"), (2, 40, "padded")):
+        inputs = _inputs(mask, batch=batch, seq=seq)
+        assert _dropped(gm, inputs) == (mask != "padded"), (batch, seq, mask)
+        report = verify(model, plan, inputs, repeats=1)
+        assert report.outputs_equal and report.buffers_equal, (batch, seq, mask)
+        assert report.grads_equal and report.max_abs_grad_diff == 0.0, (batch, seq, mask, report.max_abs_grad_diff)
 
 
 def test_eager_attention_mask_decision() -> None:
