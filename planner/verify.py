@@ -58,13 +58,20 @@ class Report:
     """What differs from the original: (kind, worst name, max abs difference), kind being
     'outputs', 'gradients' or 'buffers' (empty when the step is exact)."""
 
-    def mismatch(self) -> str:
-        """One line naming what differs (outputs, gradients, buffers), with the worst name and difference."""
-        return "; ".join(f"{kind} differ (worst {name}: max abs diff {diff:.3g})" for kind, name, diff in self.differences)
     measured_live_peak_bytes: int = 0
     """The plan's step, live tensor storages only (bytes)."""
     baseline_measured_live_peak_bytes: int = 0
     """The original model's step, live tensor storages only (bytes)."""
+
+    def mismatch(self) -> str:
+        """One line naming what differs (outputs, gradients, buffers), with the worst name and difference."""
+        if self.differences:
+            return "; ".join(f"{kind} differ (worst {name}: max abs diff {diff:.3g})" for kind, name, diff in self.differences)
+        flags = (("outputs", self.outputs_equal), ("gradients", self.grads_equal), ("buffers", self.buffers_equal))
+        parts = [f"{kind} differ" for kind, equal in flags if not equal]
+        if not self.grads_equal:
+            parts[[p.split()[0] for p in parts].index("gradients")] += f" (max abs diff {self.max_abs_grad_diff:.3g})"
+        return "; ".join(parts)
 
     @property
     def prediction_error(self) -> float:

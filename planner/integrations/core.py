@@ -19,6 +19,7 @@ prediction is the simulated peak of the module-level plan that was applied
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -72,13 +73,19 @@ def _as_kwargs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, 
 class FirstBatchPlanner:
     """Plan on the first forward call, apply in place, measure one later step."""
 
-    def __init__(self, *, module: str | None = None, measure_step: int = 1, **optimize_kwargs: Any) -> None:
+    def __init__(
+        self, *, module: str | None = None, measure_step: int = 1, allow_over_budget: bool = True, **optimize_kwargs: Any
+    ) -> None:
         if measure_step < 1:
             raise InputError(f"measure_step: {measure_step} must be >= 1 (step 0 runs the planning)")
         if not any(optimize_kwargs.get(k) is not None for k in ("budget_gb", "budget_bytes", "activation_budget")):
             optimize_kwargs.setdefault("activation_budget", 0.5)
         self.module_path = module
         self.measure_step = measure_step
+        self.allow_over_budget = allow_over_budget
+        """A trainer runs the model object itself, so the plan is applied per module (Plan.apply): when no
+        whole-module plan fits the budget, True applies the nearest one and logs a warning with its peak;
+        False raises InfeasibleBudgetError on the first batch instead."""
         self.optimize_kwargs = optimize_kwargs
         self.plan: Any = None
         """The Plan made on the first batch (None before it)."""
@@ -118,9 +125,11 @@ class FirstBatchPlanner:
         shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         logger.info("callback: planning %s on the first batch %s", type(module).__name__, shapes)
         self.plan = optimize(module, inputs, **self.optimize_kwargs)
-        self.application = self.plan.apply(module)
+        self.application = self.plan.apply(module, allow_over_budget=self.allow_over_budget)
+        budget, applied = self.plan.budget_bytes, self.application.predicted_peak_bytes
         for note in self.application.notes:
-            logger.info("callback: %s", note)
+            over = budget is not None and applied is not None and applied > budget
+            logger.log(logging.WARNING if over else logging.INFO, "callback: %s", note)
         logger.info(
             "callback: checkpointing %d modules, predicted peak %.2f MB (budget %s, without checkpointing %.2f MB)",
             len(self.application.modules), self.predicted_peak_bytes / 1e6,
