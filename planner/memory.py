@@ -8,6 +8,7 @@ once. On CUDA, `torch.cuda.max_memory_allocated` is the measure instead.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,9 @@ class AllocatorMeter:
             return self
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto prints a 'USDT: profiler_start/stop' line to stderr per session unless told otherwise;
+        # this meter starts one per measured step, so quiet it (a level the user set is kept).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self

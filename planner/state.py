@@ -39,6 +39,8 @@ class ModelState:
         modes = [(m, m.training) for m in model.modules()]
         with rng_preserved():
             try:
+                for p, _ in grads:  # a backward inside would accumulate into the user's grad tensors in place
+                    p.grad = None
                 yield
             finally:
                 with torch.no_grad():

@@ -132,7 +132,7 @@ def test_cli_examples_run(tmp_path, monkeypatch) -> None:
 
 def test_help_examples_are_the_readme_ones() -> None:
     """The --help epilogs' models.py examples are among the README's, which test_cli_examples_run runs."""
-    from ckpt_planner.cli import _EPILOGS
+    from ckpt_planner.cli_args import _EPILOGS
 
     readme = " ".join(" ".join(_cli_lines()).split())
     for text in _EPILOGS.values():
