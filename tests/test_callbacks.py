@@ -41,6 +41,7 @@ def _hf_run(tmp_path, callbacks):
     return trainer.losses, model
 
 
+@pytest.mark.slow  # a real Trainer run: ~13 s on 2 busy cores
 def test_trainer_callback_same_losses_and_logs_peaks(tmp_path, caplog) -> None:
     from ckpt_planner.integrations import TrainerPlanCallback
 

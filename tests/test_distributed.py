@@ -139,6 +139,7 @@ def _train_case(rank, name, paths, plan_dict, case):
             torch.testing.assert_close(full, q, **TOL, msg=lambda m, n=f"{name} {case} {pname}": f"{n}: {m}")
 
 
+@pytest.mark.slow  # two gloo processes, DDP and FSDP2: ~20 s on 2 busy cores
 def test_ddp_and_fsdp2_match_single_process_training():
     """A transformer with dropout and tied weights, and a CNN with BatchNorm; one pair of processes."""
     jobs = []

@@ -82,6 +82,7 @@ def test_larger_shape_raises_one_line_shape_error_before_running(gpt2_plan):
     assert any("smaller shapes run this plan" in n for n in plan.notes)
 
 
+@pytest.mark.slow  # plans twice (two shapes): ~13 s on 2 busy cores
 def test_larger_shape_replanned_once_per_shape_exact_within_budget():
     model, inputs = gpt2(batch=2, seq=32)
     planner = Planner(model, inputs, profile_config=FAST)
