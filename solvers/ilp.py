@@ -65,6 +65,7 @@ from .milp_backend import (
     _best_bound,
     _highs_model_status,
     default_backend,
+    stdout_to_stderr,
 )
 from .problem import Node, Problem, Storage
 from .registry import SolverResult, register
@@ -365,7 +366,8 @@ def _solve_milp(
             warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
             name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
             try:
-                prob.solve(solver)
+                with stdout_to_stderr():  # HiGHS's banner
+                    prob.solve(solver)
             except Exception as e:  # noqa: BLE001 - any failure of the third-party backend is retried
                 raise _BackendFailure(f"{type(e).__name__}: {str(e).strip()[:200]}") from e
         stats: dict[str, Any] = {

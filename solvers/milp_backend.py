@@ -9,7 +9,11 @@ subprocess to crash.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
+from collections.abc import Iterator
 
 __all__ = ["ILPBackendError", "ILPSolveError", "default_backend"]
 
@@ -24,6 +28,30 @@ class ILPSolveError(RuntimeError):
 
 class _BackendFailure(Exception):
     """One backend's solve failed; the message says how."""
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to stderr while inside.
+
+    HiGHS prints its banner from C++ when a model is made, whatever `output_flag` says; on stdout it
+    would corrupt a caller's machine-readable output (`ckpt-planner ... --json`).
+    """
+    try:
+        out = sys.stdout.fileno()
+        err = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptors (captured streams): nothing to move
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(out)
+    try:
+        os.dup2(err, out)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, out)
+        os.close(saved)
 
 
 def _highs_available() -> bool:

@@ -131,3 +131,22 @@ def test_auto_keeps_its_plans_when_the_ilp_fails(monkeypatch):
 def test_an_unknown_backend_is_still_the_callers_error():
     with pytest.raises(ilp_module.ILPBackendError, match="gurobi"):
         solve(PROBLEM, BUDGET, solver="ilp", backend="gurobi")
+
+
+def test_highs_banner_stays_off_stdout():
+    """HiGHS prints a banner from C++ when a model is made; stdout must stay clean for --json callers."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("highspy")
+    code = (
+        "from ckpt_planner.solvers import Node, Problem, Storage, solve\n"
+        "nodes = tuple(Node(f'n{i}', time=1.0 + i % 3, grad_bytes=2, inputs=(i - 1,) if i else (), "
+        "reads=(i - 1,) if i else ()) for i in range(6))\n"
+        "storages = tuple(Storage(i, 10, min(i + 1, 5), (min(i + 1, 5),)) for i in range(6))\n"
+        "p = Problem(nodes=nodes, storages=storages, param_bytes=5)\n"
+        "solve(p, 60, solver='ilp', backend='highs')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "", out.stdout
