@@ -20,6 +20,7 @@ from .graph import CostGraph
 from .own_checkpoint import own_spans
 from .partial import PartialPlanner
 from .plan import Plan, Region, graph_fingerprint
+from .preflight import nothing_to_plan
 from .profile import ProfileConfig, profile
 from .progress import logger, progress_enabled, stage
 from .rewrite import rewrite, safe_regions
@@ -256,6 +257,9 @@ class Planner:
                 len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
                 self.cost.time_source,
             )
+            empty = nothing_to_plan(model, self.capture.graph_module, self.cost.total_saved_bytes)
+            if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
+                raise empty
             if config.overheads:
                 self.cost = with_step_times(self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs)
         self.model = model

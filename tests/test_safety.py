@@ -351,3 +351,26 @@ def test_verify_message_names_the_buffers_that_differ():
     message = report.mismatch()
     assert message.startswith("buffers differ") and "num_batches_tracked" in message and "diff 2" in message
     assert "gradients" not in message and "outputs" not in message
+
+
+@pytest.mark.parametrize("case", ["frozen", "returns_none"])
+def test_nothing_to_plan_is_said_by_the_api(case):
+    """optimize() on a model whose step saves nothing names that, not an 'infeasible budget'."""
+    from ckpt_planner import NothingToPlanError
+
+    class NoOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.lin(x)
+            return None
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if case == "frozen":
+        model.requires_grad_(False)
+    else:
+        model = NoOutput()
+    with pytest.raises(NothingToPlanError, match="nothing to plan"):
+        optimize(model, (torch.randn(4, 8),), budget_bytes=1, solver="uniform")
