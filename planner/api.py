@@ -257,9 +257,6 @@ class Planner:
                 len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
                 self.cost.time_source,
             )
-            empty = nothing_to_plan(model, self.capture.graph_module, self.cost.total_saved_bytes)
-            if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
-                raise empty
             if config.overheads:
                 self.cost = with_step_times(self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs)
         self.model = model
@@ -310,6 +307,9 @@ class Planner:
         if on_larger_shape not in ON_LARGER_SHAPE:
             raise InputError(f"on_larger_shape: {on_larger_shape!r} is not one of {', '.join(ON_LARGER_SHAPE)}")
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        empty = nothing_to_plan(self.model, self.capture.graph_module, self.cost.total_saved_bytes)
+        if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
+            raise empty
         if own_checkpointing not in OWN_CHECKPOINTING:
             raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
         if not 0 <= safety_margin < 1:

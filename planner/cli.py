@@ -226,13 +226,18 @@ def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
 
 
 def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
-    """Capture and profile once (planner.api.Planner, which refuses a model with nothing to plan)."""
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
     from .api import Planner
+    from .preflight import nothing_to_plan
 
     with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
-        return Planner(
+        planner = Planner(
             loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer
         )
+    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
+    if empty is not None:
+        raise empty
+    return planner
 
 
 def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
