@@ -162,7 +162,7 @@ def test_regions_moved_after_solving_are_tightened_or_refused(monkeypatch):
             assert e.smallest_bytes > budget
             continue
         assert plan.predicted_peak_bytes <= budget, frac
-        assert simulate(planner.problem, plan.spans()).peak_bytes == plan.predicted_peak_bytes
+        assert simulate(planner.problem, plan.spans(), saved=plan.saved_indices()).peak_bytes == plan.predicted_peak_bytes
     monkeypatch.setattr(api_module, "safe_regions", lambda gm, regions: ([], ["every region dropped"]))
     planner._floors.clear()
     with pytest.raises(InfeasibleBudgetError) as info:
@@ -200,7 +200,7 @@ def test_plans_of_a_model_with_in_place_writes_fit_their_budget():
                 continue
             notes += plan.notes
             assert plan.predicted_peak_bytes <= budget, (frac, solver)
-            assert simulate(planner.problem, plan.spans()).peak_bytes == plan.predicted_peak_bytes
+            assert simulate(planner.problem, plan.spans(), saved=plan.saved_indices()).peak_bytes == plan.predicted_peak_bytes
     assert any("writes in place" in n for n in notes)  # regions were moved after solving, and still fit
 
 
@@ -214,7 +214,7 @@ def test_every_plan_of_one_profile_fits_its_budget():
         budget = low + (base - low) * k // 12
         plan = planner.plan(budget_bytes=budget, solver="dp")
         assert plan.predicted_peak_bytes <= budget, (k, budget)
-        assert simulate(planner.problem, plan.spans()).peak_bytes == plan.predicted_peak_bytes
+        assert simulate(planner.problem, plan.spans(), saved=plan.saved_indices()).peak_bytes == plan.predicted_peak_bytes
 
 
 def test_apply_over_budget_raises_unless_allowed():
