@@ -26,12 +26,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .errors import SelectiveReplayError
 from .rewrite import compute_nodes, mutated_inputs, written_roots
 
-__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "SelectiveReplayError"]
+__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "cache_bytes", "SelectiveReplayError"]
 
 _CURRENT = threading.local()
 
@@ -121,3 +123,60 @@ def _kind(gm: fx.GraphModule, n: fx.Node) -> str:
     if n.op == "call_module":
         return type(gm.get_submodule(str(n.target))).__name__
     return str(getattr(n.target, "__name__", n.target))
+
+
+class _CacheCounter(TorchDispatchMode):
+    """Bytes of new storages made by the ops a selective policy would cache, per current fx node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: str | None = None
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.node is not None and _cacheable(func):
+            before = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            new = {_key(t): t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            self.bytes[self.node] = self.bytes.get(self.node, 0) + sum(b for k, b in new.items() if k not in before)
+        return out
+
+
+def _key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a tensor without storage (sparse, nested)
+        return id(t)
+
+
+class _NodeTracker(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, counter: _CacheCounter, convert) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.counter = counter
+        self.convert = convert
+
+    def call_function(self, target, args, kwargs):
+        if self.convert is not None:
+            args, kwargs = self.convert(args, kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n: fx.Node):
+        self.counter.node = n.name
+        try:
+            return super().run_node(n)
+        finally:
+            self.counter.node = None
+
+
+def cache_bytes(gm: fx.GraphModule, flat: Sequence, convert=None) -> dict[str, int]:
+    """Per compute node: the bytes a selective region that keeps the node caches in its forward.
+
+    The policy caches the output of every cacheable op that runs under the node, so a composite node
+    (an attention in decomposed form, a fused block) may cache intermediates that eager frees at once.
+    One forward of the graph, run by the caller under preserved state (buffers, RNG); `convert`
+    rewrites each call's (args, kwargs) first (the profiler's meta-to-cpu constants).
+    """
+    counter = _CacheCounter()
+    with counter:
+        _NodeTracker(gm, counter, convert).run(*flat, enable_io_processing=False)
+    return counter.bytes

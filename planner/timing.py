@@ -194,16 +194,32 @@ def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target))
 
 
-def finish_profile(cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device) -> CostGraph:
-    """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`)."""
+def finish_profile(
+    cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device,
+    cache: dict[str, int] | None = None,
+) -> CostGraph:
+    """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`).
+
+    `cache`: per node, the bytes a selective policy keeping it would cache (selective.cache_bytes).
+    A node is saveable only when that is no more than the storages the profile gives it: a composite
+    node whose policy would also cache intermediates that eager frees at once is recomputed instead,
+    so the simulator's figure for a kept node is the allocator's.
+    """
     from .rewrite import compute_nodes
     from .selective import saveable_flags
 
     compute = compute_nodes(gm.graph)
     flags = saveable_flags(gm)
+    produced = [0] * len(cost.nodes)
+    for st in cost.storages:
+        produced[st.producer] += st.nbytes
+
+    def fits(i: int, c) -> bool:
+        return cache is None or cache.get(c.name, 0) <= produced[i]
+
     nodes = tuple(
-        replace(c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0)
-        for c, n, flag in zip(cost.nodes, compute, flags)
+        replace(c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0 and fits(i, c))
+        for i, (c, n, flag) in enumerate(zip(cost.nodes, compute, flags))
     )
     cost = replace(cost, nodes=nodes)
     if anchor:
