@@ -189,7 +189,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
     cost = profile(cap, ProfileConfig())
     cost = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs)
     problem = cost.to_problem(name=case.name)
-    meta["profile_overheads"] = {"region_s": cost.region_overhead_s, "op_s": cost.op_overhead_s,
+    meta["profile_overheads"] = {"region_s": cost.region_overhead_s, "op_s": cost.op_overhead_s, "saved_s": cost.saved_overhead_s,
                                  "eager_step_s": cost.step_time_s, "graph_overhead_s": cost.graph_overhead_s}
     meta["capture_profile_s"] = time.perf_counter() - t0
     meta["capture_method"] = cap.method

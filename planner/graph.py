@@ -48,6 +48,8 @@ class NodeCost:
     """What it computes, for selective policies: the aten op, function, method or module class name."""
     saveable: bool = False
     """A selective region may keep its output (see selective.saveable_flags)."""
+    saved_tensors: int = 0
+    """Tensors its forward hands autograd to keep (each passes a checkpoint region's hooks)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class CostGraph:
     """Fixed cost of one checkpoint call over a step (seconds), measured on the device."""
     op_overhead_s: float = 0.0
     """Selective-policy dispatch per op run in a selective region (seconds), measured."""
+    saved_overhead_s: float = 0.0
+    """A checkpoint region's hooks per tensor saved inside it, over a step (seconds), measured."""
     step_time_s: float = 0.0
     """Eager step time without checkpointing (seconds; 0 when not measured)."""
     graph_overhead_s: float = 0.0
@@ -120,6 +124,7 @@ class CostGraph:
                 rng_state_bytes=n.rng_state_bytes,
                 op=n.kind or n.target,
                 saveable=n.saveable,
+                saved_tensors=n.saved_tensors,
             )
             for n in self.nodes
         )
@@ -136,6 +141,7 @@ class CostGraph:
             name=name,
             region_overhead_s=self.region_overhead_s,
             op_overhead_s=self.op_overhead_s,
+            saved_overhead_s=self.saved_overhead_s,
             step_time_s=self.step_time_s,
             graph_overhead_s=self.graph_overhead_s,
         )
@@ -165,6 +171,7 @@ class CostGraph:
             "device": self.device,
             "region_overhead_s": self.region_overhead_s,
             "op_overhead_s": self.op_overhead_s,
+            "saved_overhead_s": self.saved_overhead_s,
             "step_time_s": self.step_time_s,
             "graph_overhead_s": self.graph_overhead_s,
             "param_bytes": self.param_bytes,

@@ -520,6 +520,7 @@ def _build(
                 "reads": sorted(reads),
                 "recomputable": recomputable,
                 "rng_state_bytes": rng_bytes if uses_rng(gm, n) else 0,
+                "saved_tensors": len(packed),
                 "shapes": [list(t.shape) for t in _tensors(value)][:4],
                 "dtype": str(_tensors(value)[0].dtype).replace("torch.", "") if _tensors(value) else "",
             }

@@ -7,7 +7,7 @@
   samples), rounded to a geometric grid of 2^(1/4). A spike in one run of
   one layer moves neither the median nor the grid point, so two runs on a
   busy machine give the same times and the same plan.
-* `call_overheads`: the fixed cost of one non-reentrant checkpoint call
+* `call_overheads`: the fixed cost of one non-reentrant checkpoint call, of its hooks per saved tensor,
   over a step (forward, recompute, backward) and of the selective policy per
   op, measured once on the device on tiny regions.
 * `step_times`: the eager model's step and the captured graph's, so that
@@ -96,8 +96,9 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float]:
-    """(seconds per checkpoint call per step, seconds per op run under a selective policy), measured."""
+def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float, float]:
+    """Seconds, measured: (per checkpoint call per step, per op run under a selective policy, per tensor
+    saved inside a region: its pack hook in the forward and the recompute, its unpack in the backward)."""
     device = torch.device(device)
     sync = _sync_for(device)
     x = torch.randn(8, device=device, requires_grad=True)
@@ -126,12 +127,22 @@ def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float]:
             chain, t, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
         )
 
-    # TINY_OPS regions against one region of the same ops: the same recompute, TINY_OPS - 1 more calls.
-    region = _timed(step(one), sync)
-    per_call = max(0.0, (_timed(step(each), sync) - region) / (TINY_OPS - 1))
-    per_op = max(0.0, (_timed(step(one_selective), sync) - region) / (2 * TINY_OPS))
+    def once() -> tuple[float, float, float]:
+        # TINY_OPS regions against one region of the same ops: the same recompute, TINY_OPS - 1 more calls.
+        region = _timed(step(one), sync)
+        per_call = max(0.0, (_timed(step(each), sync) - region) / (TINY_OPS - 1))
+        per_op = max(0.0, (_timed(step(one_selective), sync) - region) / (2 * TINY_OPS))
+        # One region against no checkpointing: one call, the recompute of the chain, and the hooks on
+        # each of its TINY_OPS saved tensors.
+        plain = _timed(step(chain), sync)
+        forward = _timed(lambda: chain(x), sync)
+        per_saved = max(0.0, (region - plain - forward - per_call) / TINY_OPS)
+        return per_call, per_op, per_saved
+
+    # Twice, the least of each: the first pass in a process also pays one-off initialisation.
+    first, second = once(), once()
     x.grad = None
-    return quantize(per_call), quantize(per_op)
+    return tuple(quantize(min(a, b)) for a, b in zip(first, second))
 
 
 def _loss(out: Any) -> torch.Tensor | None:
@@ -225,6 +236,6 @@ def finish_profile(
     if anchor:
         cost = anchor_times(cost)
     if overheads and device.type != "meta" and cost.time_source != "flops":
-        region_s, op_s = call_overheads(device)
-        cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s)
+        region_s, op_s, saved_s = call_overheads(device)
+        cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s, saved_overhead_s=saved_s)
     return cost

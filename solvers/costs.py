@@ -75,7 +75,8 @@ def recompute_time(problem: Problem, regions, saved=()) -> float:
             child_stops[p].append(regions[c][0] - 1)
     prefix = [0.0]
     for i, node in enumerate(nodes):
-        prefix.append(prefix[-1] + (0.0 if i in is_saved else node.time))
+        hooks = problem.saved_overhead_s * node.saved_tensors
+        prefix.append(prefix[-1] + hooks + (0.0 if i in is_saved else node.time))
     total = 0.0
     stops = []
     for r, (s, e) in enumerate(regions):

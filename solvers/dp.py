@@ -163,7 +163,7 @@ def _build_chain(problem: Problem, bounds: list[tuple[int, int]]) -> _Chain:
         tmp.append(peak)
     return _Chain(
         bounds=tuple(bounds),
-        time=tuple(sum(nodes[i].time for i in range(u, v + 1)) for u, v in bounds),
+        time=tuple(sum(problem.region_time(i) for i in range(u, v + 1)) for u, v in bounds),
         recomputable=tuple(all(nodes[i].recomputable for i in range(u, v + 1)) for u, v in bounds),
         x=tuple(x),
         y=tuple(y),

@@ -116,7 +116,7 @@ def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, 
         coarse.append(
             Node(
                 name=f"group{g}",
-                time=sum(nodes[i].time for i in members),
+                time=sum(problem.region_time(i) for i in members),
                 temp_bytes=max(nodes[i].temp_bytes for i in members),
                 grad_bytes=out_grads,
                 backward_temp_bytes=max(nodes[i].backward_temp_bytes for i in members),
@@ -191,10 +191,11 @@ def _solve_milp(
     fixed = problem.fixed_bytes / unit
     out_bytes = sum(nb[t] for t, st in enumerate(storages) if st.is_output)
     at, before = [v / unit for v in at], [v / unit for v in before]
-    tunit = sum(node.time for node in nodes) or 1.0
+    times = [problem.region_time(i) for i in range(n)]
+    tunit = sum(times) or 1.0
     prefix = [0.0]
-    for node in nodes:
-        prefix.append(prefix[-1] + node.time / tunit)
+    for t in times:
+        prefix.append(prefix[-1] + t / tunit)
     cands = [(s, e) for e in range(n) if saves[e] for s in range(e, -1, -1) if all(nodes[i].recomputable for i in range(s, e + 1))]
     readers: list[list[int]] = [[] for _ in storages]
     for i, node in enumerate(nodes):

@@ -59,6 +59,9 @@ class Node:
     saveable: bool = False
     """A selective region may keep this node's output instead of recomputing it (the profiler sets
     it; False for in-place ops and outputs written in place later, whose cached value would be stale)."""
+    saved_tensors: int = 0
+    """Tensors the node's forward hands autograd to keep; inside a checkpoint region each one passes
+    the region's pack and unpack hooks (`Problem.saved_overhead_s` apiece)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class Problem:
     """Fixed cost of one checkpoint call over a step, forward and backward (seconds), measured."""
     op_overhead_s: float = 0.0
     """Cost of the selective-policy dispatch per op run inside a selective region (seconds)."""
+    saved_overhead_s: float = 0.0
+    """Cost of a checkpoint region's saved-tensor hooks per tensor saved inside it, forward, recompute
+    and backward (seconds), measured."""
     step_time_s: float = 0.0
     """Measured eager step time, forward and backward, no checkpointing (seconds; 0: unknown)."""
     graph_overhead_s: float = 0.0
@@ -133,6 +139,12 @@ class Problem:
     def total_time(self) -> float:
         return sum(node.time for node in self.nodes)
 
+    def region_time(self, i: int) -> float:
+        """Seconds node i costs when a region recomputes it: its forward plus the region's hooks on
+        the tensors it saves. # seconds"""
+        node = self.nodes[i]
+        return node.time + self.saved_overhead_s * node.saved_tensors
+
     @property
     def base_step_s(self) -> float:
         """Step time of the captured graph without checkpointing: measured eager step plus the graph's
@@ -148,6 +160,7 @@ class Problem:
             "optimizer_bytes": self.optimizer_bytes,
             "region_overhead_s": self.region_overhead_s,
             "op_overhead_s": self.op_overhead_s,
+            "saved_overhead_s": self.saved_overhead_s,
             "step_time_s": self.step_time_s,
             "graph_overhead_s": self.graph_overhead_s,
             "nodes": [asdict(node) for node in self.nodes],
@@ -169,6 +182,7 @@ class Problem:
             name=data.get("name", ""),
             region_overhead_s=float(data.get("region_overhead_s", 0.0)),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            saved_overhead_s=float(data.get("saved_overhead_s", 0.0)),
             step_time_s=float(data.get("step_time_s", 0.0)),
             graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
         )

@@ -19,9 +19,11 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   region's recompute has used them and their last saving node's backward
   is done; the recompute takes them from the cache instead of re-running
   the node, and re-runs every other node up to the region's stop.
-* Each checkpoint call costs `problem.region_overhead_s` per step, and every
+* Each checkpoint call costs `problem.region_overhead_s` per step, every
   op that runs under a selective policy (forward and recompute) costs
-  `problem.op_overhead_s`: both are added to the recompute time.
+  `problem.op_overhead_s`, and every tensor a recomputed node saves costs
+  `problem.saved_overhead_s` (the region's pack and unpack hooks): all are
+  added to the recompute time.
 
 This module is the one source of the figures that solvers optimise and
 reports print.
@@ -260,11 +262,14 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
         forward_pass(0, n - 1, -1, "forward", "activations")
 
     recompute_time = 0.0
+    hook = problem.saved_overhead_s
     grad_live = [False] * n
     for k in range(n - 1, -1, -1):
         for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
             s = regions[r][0]
-            recompute_time += sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
+            recompute_time += sum(
+                hook * nodes[i].saved_tensors + (0.0 if is_saved[i] else nodes[i].time) for i in range(s, stops[r] + 1)
+            )
             forward_pass(s, stops[r], r, "recompute", "recomputed")
         node = nodes[k]
         extra = 0

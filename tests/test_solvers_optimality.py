@@ -126,3 +126,43 @@ def test_highs_and_cbc_agree(seed):
     assert (a is None) == (b is None)
     if a is not None:
         assert_same(a.recompute_time, b.recompute_time)
+
+
+def with_hooks(problem, seed: int):
+    """The problem with a cost per saved tensor inside a region (the checkpoint hooks), as profiled."""
+    import dataclasses
+
+    rng = random.Random(seed)
+    nodes = tuple(dataclasses.replace(n, saved_tensors=rng.randint(0, 3)) for n in problem.nodes)
+    per = problem.total_time / max(1, problem.n) * rng.uniform(0.05, 1.0)  # seconds per saved tensor
+    return dataclasses.replace(problem, nodes=nodes, saved_overhead_s=per)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(1, 8), chains(1, 6), st.integers(0, 2**32))
+def test_solvers_optimal_with_hook_costs(dag, chain, seed):
+    dag, chain = with_hooks(dag, seed), with_hooks(chain, seed + 1)
+    budget = pick_budget(dag, seed, "flat_saver_ended")
+    best = optimum(dag, budget, "flat_saver_ended")
+    solution = solved(dag, budget, "ilp")
+    assert (solution is None) == (best is None)
+    if best is not None:
+        assert_same(solution.recompute_time, best)
+    budget = pick_budget(chain, seed, "rotor")
+    best = optimum(chain, budget, "rotor")
+    solution = solved(chain, budget, "dp", selection="exact")
+    assert (solution is None) == (best is None)
+    if best is not None:
+        assert_same(solution.recompute_time, best)
+    # The hooks are counted: a region's recompute costs more than its nodes' forward time.
+    if solution is not None and solution.regions:
+        plain = simulate(dataclasses_replace_hooks(chain, 0.0), solution.regions).recompute_time
+        hooked = simulate(chain, solution.regions).recompute_time
+        saved = sum(chain.nodes[i].saved_tensors for s, e in solution.regions for i in range(s, e + 1))
+        assert hooked >= plain and (saved == 0 or hooked > plain)
+
+
+def dataclasses_replace_hooks(problem, per: float):
+    import dataclasses
+
+    return dataclasses.replace(problem, saved_overhead_s=per)
