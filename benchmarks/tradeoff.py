@@ -45,8 +45,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's memory meter, without a log line per start
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -324,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-compile", action="store_true",
                     help="only compile every torch.compile variant and run one step (fills inductor's on-disk caches)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's own; 1 keeps a shared machine's load from "
+                         "stalling a thread pool)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--note", default="", help="a line for the report (e.g. the machine was shared)")
@@ -340,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     registered = sorted(s for s in solvers.SOLVERS if s not in ("none", "bruteforce", "auto"))
     solver_names = [s for s in a.solvers.split(",") if s] if a.solvers else registered
     compile_budgets = [float(b) for b in a.compile_budgets.split(",") if b]
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error(f"--threads: {a.threads} must be at least 1")
+        torch.set_num_threads(a.threads)
     import torch._dynamo as dynamo
 
     dynamo.config.cache_size_limit = 64
