@@ -83,6 +83,9 @@ class CostGraph:
     """Eager step time without checkpointing (seconds; 0 when not measured)."""
     graph_overhead_s: float = 0.0
     """Extra step time of the captured graph against the eager model (seconds)."""
+    recompute_scale: float = 1.0
+    """The factor node times were scaled by so that a recompute costs what it does in a real step
+    (timing.with_step_times); 1.0 when not calibrated."""
 
     @property
     def saved_bytes(self) -> list[int]:
@@ -174,6 +177,7 @@ class CostGraph:
             "saved_overhead_s": self.saved_overhead_s,
             "step_time_s": self.step_time_s,
             "graph_overhead_s": self.graph_overhead_s,
+            "recompute_scale": self.recompute_scale,
             "param_bytes": self.param_bytes,
             "input_bytes": self.input_bytes,
             "nodes": [asdict(n) for n in self.nodes],

@@ -43,6 +43,7 @@ __all__ = [
 GRID = 4  # steps per doubling of the time grid
 TINY_OPS = 16  # ops in the regions timed by call_overheads
 TIMED_STEPS = 7  # timed repeats of each overhead measurement (the fastest is kept)
+STEP_ROUNDS = 3  # interleaved rounds of whole-step timings (eager, graph, checkpointed graph)
 
 
 def quantize(seconds: float) -> float:
@@ -153,45 +154,101 @@ def _loss(out: Any) -> torch.Tensor | None:
     return sum(t.float().sum() if t.is_floating_point() else t.real.float().sum() for t in leaves)
 
 
-def step_times(model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[float, float]:
-    """(eager step, captured graph's step) in seconds, the fastest of a few interleaved runs; (0, 0) when
-    a step cannot be run this way. The caller restores the model's state (gradients, buffers, RNG)."""
+def step_times(
+    model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
+    checkpointed: torch.nn.Module | None = None,
+) -> tuple[float, ...]:
+    """(eager step, captured graph's step[, the checkpointed graph's step]) in seconds, the fastest of a
+    few interleaved runs; zeros when a step cannot be run this way. The caller restores the model's
+    state (gradients, buffers, RNG)."""
     sync = _sync_for(device)
+    modules = [model, graph] + ([checkpointed] if checkpointed is not None else [])
 
     def run(mod) -> None:
         loss = _loss(mod(*args, **kwargs))
         if loss is not None:
             loss.backward()
 
+    best = [math.inf] * len(modules)
     try:
-        run(model)
-        run(graph)
-        eager = graph_s = math.inf
-        for _ in range(3):
-            for which in ("eager", "graph"):
+        for mod in modules:
+            run(mod)
+        for _ in range(STEP_ROUNDS):
+            for k, mod in enumerate(modules):
                 sync()
                 t0 = time.perf_counter()
-                run(model if which == "eager" else graph)
+                run(mod)
                 sync()
-                dt = time.perf_counter() - t0
-                if which == "eager":
-                    eager = min(eager, dt)
-                else:
-                    graph_s = min(graph_s, dt)
+                best[k] = min(best[k], time.perf_counter() - t0)
     except Exception:  # noqa: BLE001 - a model whose step we cannot run here is planned without these figures
-        return 0.0, 0.0
-    return eager, graph_s
+        return (0.0,) * len(modules)
+    return tuple(best)
 
 
-def with_step_times(cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict) -> CostGraph:
-    """The profile with the eager step time and the captured graph's overhead against it, measured."""
+def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
+    """Regions to time a real recompute with: one per repeated block, else about sqrt(n) even runs."""
+    from .solvers.basic import uniform
+    from .solvers.costs import trim_flat_regions
+    from .solvers.selective import block_regions
+
+    problem = cost.to_problem()
+    regions = block_regions(problem)
+    return regions if regions else trim_flat_regions(problem, uniform(problem).regions)
+
+
+def with_step_times(
+    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, *, calibrate: bool = True
+) -> CostGraph:
+    """The profile with the eager step time, the captured graph's overhead against it, and (`calibrate`)
+    node times scaled to what a recompute costs inside a real step, all measured.
+
+    The calibration times one step of the graph checkpointed per block against the plain graph: the
+    extra seconds, less the checkpoint calls and hooks, over the summed times of the nodes it
+    recomputes, is the factor a recompute costs against the profile's per-node runs (cold caches,
+    fresh allocations, a loaded machine). Every node's time is scaled by it (rounded to the time
+    grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
+    """
     if cost.time_source == "flops":
         return cost
     device = torch.device(cost.device)
-    eager_s, graph_s = step_times(model, graph, args, kwargs, device)
+    checkpointed, regions = None, ()
+    if calibrate:
+        try:
+            from .rewrite import rewrite
+
+            regions = _calibration_plan(cost)
+            checkpointed = rewrite(graph, regions, model=model) if regions else None
+        except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
+            checkpointed, regions = None, ()
+    times = step_times(model, graph, args, kwargs, device, checkpointed)
+    eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
         return cost
-    return replace(cost, step_time_s=quantize(eager_s), graph_overhead_s=quantize(max(0.0, graph_s - eager_s)))
+    cost = replace(cost, step_time_s=quantize(eager_s), graph_overhead_s=quantize(max(0.0, graph_s - eager_s)))
+    if checkpointed is None:
+        return cost
+    from .solvers import simulate
+
+    problem = cost.to_problem()
+    sim = simulate(problem, regions)
+    nodes_s = sim.recompute_time - sim.call_time - _hook_time(problem, regions)
+    if nodes_s <= 0:
+        return cost
+    scale = min(4.0, max(0.5, quantize((times[2] - graph_s - (sim.recompute_time - nodes_s)) / nodes_s)))
+    nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
+    return replace(cost, nodes=nodes, recompute_scale=scale)
+
+
+def _hook_time(problem, regions) -> float:
+    """Seconds of saved-tensor hooks the simulator charges for a flat plan's recomputed nodes."""
+    from .solvers.costs import saver_flags
+
+    saves = saver_flags(problem)
+    total = 0.0
+    for s, e in regions:
+        stop = max((k for k in range(s, e + 1) if saves[k]), default=s - 1)
+        total += sum(problem.saved_overhead_s * problem.nodes[i].saved_tensors for i in range(s, stop + 1))
+    return total
 
 
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
