@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -12,20 +11,28 @@ import torch
 
 from . import solvers
 from .budget import floor_plan, inner_budget, peak_detail, smallest_budget
-from .capture import capture, flatten_for_graph
+from .capture import capture
 from .distributed import check_sharding, shard_problem
 from .errors import CaptureError, InputError, UnplannableError
 from .exported import accept_exported
-from .graph import CostGraph
 from .own_checkpoint import own_spans
 from .partial import PartialPlanner
-from .plan import Plan, Region, graph_fingerprint
+from .plan import Plan
 from .preflight import nothing_to_plan
 from .profile import ProfileConfig, profile
 from .progress import logger, progress_enabled, stage
 from .rewrite import rewrite, safe_regions
 from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
-from .solvers import Problem, Solution, simulate
+from .solution import (
+    kept_saved,
+    laminar,
+    merge_own,
+    plan_from_solution,
+    solve_partial,
+    solve_unbudgeted,
+    with_regions,
+)
+from .solvers import Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
 from .timing import with_step_times
@@ -176,7 +183,7 @@ def optimize(
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
         if activation_budget is not None:
             budget = int(part.problem.fixed_bytes + activation_budget * (part.baseline_peak_bytes - part.problem.fixed_bytes))
-        solution, notes = _solve_partial(part.problem, budget, solver, dict(solver_options or {}), safety_margin)
+        solution, notes = solve_partial(part.problem, budget, solver, dict(solver_options or {}), safety_margin)
         return part.plan(solution, notes)
     return planner.plan(
         budget_gb=budget_gb,
@@ -275,7 +282,7 @@ class Planner:
             [n.module for n in nodes],
             [n.recomputable for n in nodes],
         )
-        self.own_regions = _laminar(self.problem, spans)
+        self.own_regions = laminar(self.problem, spans)
         """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
         self._floors: dict[tuple, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
@@ -406,7 +413,7 @@ class Planner:
         (keep), cuts moved off in-place writes (safe_regions)."""
         regions = list(regions)
         if keep:
-            regions = _merge_own(self.own_regions, regions)
+            regions = merge_own(self.own_regions, regions)
         notes: list[str] = []
         for _ in range(4):  # until stable: rewrite() runs safe_regions again on what it is given
             safe, moved = safe_regions(self.capture.graph_module, regions)
@@ -429,9 +436,9 @@ class Planner:
     ) -> tuple[Solution, list[str]]:
         problem = self.problem
         if budget is None:
-            solution, notes = _solve_unbudgeted(problem, solver, options)
+            solution, notes = solve_unbudgeted(problem, solver, options)
             regions, moved = self._finish(solution.regions, keep)
-            return _with_regions(problem, solution, regions), notes + moved
+            return with_regions(problem, solution, regions), notes + moved
         # The model as given (its own regions, moved off in-place writes like any plan) and, when
         # replacing them, the plain step: either fits a budget at or above its peak with no margin.
         given = self._finish(self.own_regions, False)[0] if self.own_regions else ()
@@ -439,7 +446,7 @@ class Planner:
         plain_peak = self.no_checkpoint_peak_bytes
         if plain_peak <= budget and not keep:
             note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
-            return _with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
+            return with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
         fixed = problem.fixed_bytes
         inner = inner_budget(budget, fixed, margin)
         floor_peak, floor_regions = self._floor(solver, options, keep)
@@ -455,7 +462,7 @@ class Planner:
         if floor_peak > inner or (keep and given_peak <= budget):
             note = f"the model as given fits the budget (predicted peak {given_peak / 1e9:.3f} GB): its own checkpointing, unchanged"
             none = solvers.solve(problem, None, "none")
-            return _with_regions(problem, none, given, budget, {**stats, "as_given": True}), [note]
+            return with_regions(problem, none, given, budget, {**stats, "as_given": True}), [note]
         target = inner
         for attempt in range(4):  # the measured-time plan, tightened while its last change leaves it over
             try:
@@ -467,7 +474,7 @@ class Planner:
             if peak <= inner:
                 if attempt:
                     moved.append(f"re-solved {attempt}x at a lower internal budget: moved regions had left it over")
-                solution = _with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
+                solution = with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
                 return solution, moved
             target -= peak - inner
             if target <= fixed:
@@ -477,165 +484,4 @@ class Planner:
             "least-memory plan on FLOP costs"
         )
         floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget)
-        return _with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
-
-
-def _with_regions(problem: Problem, solution: Solution, regions, budget=None, stats=None) -> Solution:
-    """`solution` with `regions` in place of its own (and the kept ops still inside them), re-simulated."""
-    saved = kept_saved(regions, solution.saved)
-    sim = simulate(problem, regions, saved=saved)
-    return dataclasses.replace(
-        solution,
-        regions=tuple(regions),
-        saved=saved,
-        peak_bytes=sim.peak_bytes,
-        recompute_time=sim.recompute_time,
-        budget_bytes=solution.budget_bytes if budget is None else budget,
-        stats={**solution.stats, **(stats or {})},
-    )
-
-
-def _laminar(problem: Problem, spans) -> tuple[tuple[int, int], ...]:
-    """The spans that nest properly, in order (a span crossing an earlier one is left out)."""
-    kept: list[tuple[int, int]] = []
-    for span in spans:
-        try:
-            kept = list(normalize_regions(problem, kept + [span]))
-        except Exception:  # noqa: BLE001 - a crossing span is not kept
-            continue
-    return tuple(kept)
-
-
-def _merge_own(own, regions) -> list[tuple[int, int]]:
-    """The model's own regions plus the solver's regions that are disjoint from them or contain them."""
-    out = list(own)
-    for s, e in regions:
-        if all(e < a or b < s or (s <= a and b <= e and (s, e) != (a, b)) for a, b in own):
-            out.append((s, e))
-    return out
-
-
-def _solve_unbudgeted(problem: Problem, solver: str, options: dict[str, Any]) -> tuple[Solution, list[str]]:
-    notes: list[str] = []
-    base = simulate(problem, ())
-    sweep = getattr(solvers, "sweep", None)
-    knee = getattr(solvers, "knee", None)
-    if sweep is not None and knee is not None:
-        fixed = problem.fixed_bytes
-        act = base.peak_bytes - fixed
-        budgets = [int(fixed + act * f / 20) for f in range(1, 21)]
-        curve = [s for s in sweep(problem, budgets, solver=solver, **options) if s is not None]
-        if curve:
-            chosen = knee(curve)
-            notes.append(
-                f"no budget given: chose the knee of the memory/recompute curve "
-                f"({chosen.peak_bytes / 1e9:.3f} GB, {len(curve)} points swept)"
-            )
-            return chosen, notes
-    notes.append("no budget given: solver default plan")
-    return solvers.solve(problem, None, solver, **options), notes
-
-
-def plan_from_solution(
-    cost: CostGraph,
-    problem: Problem,
-    solution: Solution,
-    cap,
-    *,
-    notes: list[str] | tuple[str, ...] = (),
-    solver_options: dict[str, Any] | None = None,
-    baseline_regions=(),
-) -> Plan:
-    """Wrap a solver's Solution as a Plan (no module yet); the baseline runs `baseline_regions`
-    (the model's own checkpointing: the model as given)."""
-    base = simulate(problem, tuple(baseline_regions))
-    sim = simulate(problem, solution.regions, saved=solution.saved)
-    saved = cost.saved_bytes
-    kept = set(solution.saved)
-    depth_of: list[int] = []
-    stack: list[tuple[int, int]] = []
-    for s, e in solution.regions:
-        while stack and stack[-1][1] < s:
-            stack.pop()
-        depth_of.append(len(stack))
-        stack.append((s, e))
-    regions = []
-    for (s, e), depth in zip(solution.regions, depth_of):
-        mods: list[str] = []
-        for n in cost.nodes[s : e + 1]:
-            top = n.module
-            if top and top not in mods:
-                mods.append(top)
-        regions.append(
-            Region(
-                start=s,
-                end=e,
-                first_node=cost.nodes[s].name,
-                last_node=cost.nodes[e].name,
-                modules=tuple(_collapse(mods)),
-                depth=depth,
-                recompute_s=sum(n.time for n in cost.nodes[s : e + 1]),
-                saved_bytes=sum(saved[s : e + 1]),
-                saved_ops=tuple(cost.nodes[i].name for i in range(s, e + 1) if i in kept),
-                saved_positions=tuple(i for i in range(s, e + 1) if i in kept),
-            )
-        )
-    gm = cap.graph_module
-    return Plan(
-        solver=solution.solver,
-        budget_bytes=solution.budget_bytes,
-        baseline_peak_bytes=base.peak_bytes,
-        predicted_peak_bytes=sim.peak_bytes,
-        predicted_recompute_s=sim.recompute_time,
-        baseline_step_s=cost.total_time,
-        regions=tuple(regions),
-        fingerprint=graph_fingerprint(gm, flatten_for_graph(gm, cap.args, cap.kwargs)),
-        capture_method=cap.method,
-        solve_time_s=solution.solve_time,
-        solver_options=dict(solver_options or {}),
-        breakdown=dict(sim.breakdown),
-        baseline_breakdown=dict(base.breakdown),
-        notes=tuple(notes) + ((f"symbolic_trace failed ({cap.fallback_reason}); captured with torch.export",) if cap.fallback_reason else ()),
-        stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
-        time_source=cost.time_source,
-        num_nodes=len(cost.nodes),
-        eager_step_s=problem.base_step_s - problem.graph_overhead_s,
-        predicted_step_s=problem.base_step_s + sim.recompute_time,
-        call_overhead_s=sim.call_time,
-        graph_overhead_s=problem.graph_overhead_s,
-    )
-
-
-def kept_saved(regions, saved) -> tuple[int, ...]:
-    """Saved ops still inside a region after the regions moved (a moved region's cache may not reach them)."""
-    return tuple(i for i in saved if any(s <= i <= e for s, e in regions))
-
-
-def _collapse(paths: list[str], limit: int = 8) -> list[str]:
-    """Module paths with children of a listed parent dropped; at most `limit` shown."""
-    out: list[str] = []
-    for p in paths:
-        if not any(p == q or p.startswith(q + ".") for q in out):
-            out = [q for q in out if not q.startswith(p + ".")] + [p]
-    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
-
-
-def _solve_partial(
-    problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float
-) -> tuple[Solution, list[str]]:
-    """Solve a partially captured model's joined problem: no-op when it fits, the margin as for a whole graph,
-    and an infeasible budget named from bytes (budget.py)."""
-    if budget is None:
-        return _solve_unbudgeted(problem, solver, options)
-    plain_peak = simulate(problem, ()).peak_bytes
-    if plain_peak <= budget:
-        note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
-        return _with_regions(problem, solvers.solve(problem, None, "none"), (), budget), [note]
-    fixed = problem.fixed_bytes
-    inner = inner_budget(budget, fixed, margin)
-    try:
-        solution = solvers.solve(problem, inner, solver, **options)
-    except solvers.InfeasibleBudgetError as e:
-        smallest = min(plain_peak, smallest_budget(e.smallest_bytes, fixed, margin))
-        raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed) from None
-    return _with_regions(problem, solution, solution.regions, budget, {"planned_for_bytes": inner}), []
+        return with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
