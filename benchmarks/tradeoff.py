@@ -181,6 +181,37 @@ def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: f
                      predicted_call_s=plan.call_overhead_s)
 
 
+def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (0.5, 0.75)) -> dict:
+    """A second capture and profile from scratch, solved at the same budget (the first of `fractions` of
+    the activations the first profile can meet): is the plan the same?"""
+    cap = capture(case.model, case.inputs)
+    cost = profile(cap, ProfileConfig())
+    again = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs).to_problem(name=case.name)
+    for p in case.model.parameters():
+        p.grad = None
+    base = solvers.simulate(problem, ()).peak_bytes
+    fraction = fractions[-1]
+    for f in fractions:
+        try:
+            solvers.solve(problem, int(problem.fixed_bytes + f * (base - problem.fixed_bytes)), "dp")
+        except (solvers.InfeasibleBudgetError, ValueError, RuntimeError):
+            continue
+        fraction = f
+        break
+    budget = int(problem.fixed_bytes + fraction * (base - problem.fixed_bytes))
+    plans = []
+    for prob in (problem, again):
+        try:
+            sol = solvers.solve(prob, budget, solver)
+            plans.append((tuple(map(tuple, sol.regions)), tuple(sol.saved)))
+        except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
+            plans.append(("error", str(e)[:120]))
+    times_equal = sum(a.time == b.time for a, b in zip(problem.nodes, again.nodes))
+    return {"solver": solver, "activation_budget": fraction, "same_plan": plans[0] == plans[1],
+            "regions": [len(p[0]) if p[0] != "error" else None for p in plans],
+            "node_times_equal": f"{times_equal} of {problem.n}"}
+
+
 def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: dict | None = None) -> list[Contender]:
     """Capture and profile once, then solve and rewrite per (solver, activation budget), as optimize() does.
 
@@ -192,8 +223,10 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
     cost = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs)
     problem = cost.to_problem(name=case.name)
     meta["profile_overheads"] = {"region_s": cost.region_overhead_s, "op_s": cost.op_overhead_s, "saved_s": cost.saved_overhead_s,
-                                 "eager_step_s": cost.step_time_s, "graph_overhead_s": cost.graph_overhead_s}
+                                 "eager_step_s": cost.step_time_s, "graph_overhead_s": cost.graph_overhead_s,
+                                 "recompute_scale": cost.recompute_scale}
     meta["capture_profile_s"] = time.perf_counter() - t0
+    meta["determinism"] = _twice(case, problem)
     meta["capture_method"] = cap.method
     meta["graph_nodes"] = len(cost.nodes)
     base_peak = solvers.simulate(problem, ()).peak_bytes
