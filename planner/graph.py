@@ -50,6 +50,8 @@ class NodeCost:
     """A selective region may keep its output (see selective.saveable_flags)."""
     saved_tensors: int = 0
     """Tensors its forward hands autograd to keep (each passes a checkpoint region's hooks)."""
+    dispatch_ops: int = 1
+    """Aten ops its forward runs (each a call of a selective region's policy)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class CostGraph:
                 op=n.kind or n.target,
                 saveable=n.saveable,
                 saved_tensors=n.saved_tensors,
+                dispatch_ops=n.dispatch_ops,
             )
             for n in self.nodes
         )

@@ -45,7 +45,7 @@ from .graph import CostGraph, NodeCost, StorageCost
 from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .rng import rng_state_bytes, uses_rng
-from .selective import cache_bytes
+from .selective import policy_costs
 from .state import rng_preserved
 from .timing import finish_profile, robust_times
 
@@ -197,11 +197,13 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
     with rng_preserved():
         if meta:
-            cost, cached = _profile_fake(gm, flat, config, dev)
+            cost, (cached, ops) = _profile_fake(gm, flat, config, dev)
         else:
             cost = _profile_real(gm, flat, config, dev)
-            cached = cache_bytes(gm, flat)
-        return finish_profile(cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached)
+            cached, ops = policy_costs(gm, flat)
+        return finish_profile(
+            cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops
+        )
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
@@ -265,7 +267,9 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     return with_backward_temps(cost, measure_backward(gm, prof))
 
 
-def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> tuple[CostGraph, dict[str, int]]:
+def _profile_fake(
+    gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device
+) -> tuple[CostGraph, tuple[dict[str, int], dict[str, int]]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -283,10 +287,10 @@ def _profile_fake(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
         built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
         with fake_mode:
-            cached = cache_bytes(gm, flat_fake, convert=_meta_to_cpu)
+            costs = policy_costs(gm, flat_fake, convert=_meta_to_cpu)
     finally:
         _swap_state(gm, real_state)
-    return built, cached
+    return built, costs
 
 
 def _fake_of(fake_mode: Any, t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .errors import SelectiveReplayError
 from .rewrite import compute_nodes, mutated_inputs, written_roots
 
-__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "cache_bytes", "SelectiveReplayError"]
+__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "policy_costs", "SelectiveReplayError"]
 
 _CURRENT = threading.local()
 
@@ -126,15 +126,19 @@ def _kind(gm: fx.GraphModule, n: fx.Node) -> str:
 
 
 class _CacheCounter(TorchDispatchMode):
-    """Bytes of new storages made by the ops a selective policy would cache, per current fx node."""
+    """Per current fx node: bytes of new storages made by the ops a selective policy would cache, and
+    how many aten ops the policy would be asked about."""
 
     def __init__(self) -> None:
         super().__init__()
         self.node: str | None = None
         self.bytes: dict[str, int] = {}
+        self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.node is not None:
+            self.ops[self.node] = self.ops.get(self.node, 0) + 1
         if self.node is not None and _cacheable(func):
             before = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             new = {_key(t): t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
@@ -168,8 +172,9 @@ class _NodeTracker(fx.Interpreter):
             self.counter.node = None
 
 
-def cache_bytes(gm: fx.GraphModule, flat: Sequence, convert=None) -> dict[str, int]:
-    """Per compute node: the bytes a selective region that keeps the node caches in its forward.
+def policy_costs(gm: fx.GraphModule, flat: Sequence, convert=None) -> tuple[dict[str, int], dict[str, int]]:
+    """Per compute node: (the bytes a selective region that keeps the node caches in its forward, the
+    aten ops that run under it, each a call of the selective policy).
 
     The policy caches the output of every cacheable op that runs under the node, so a composite node
     (an attention in decomposed form, a fused block) may cache intermediates that eager frees at once.
@@ -179,4 +184,4 @@ def cache_bytes(gm: fx.GraphModule, flat: Sequence, convert=None) -> dict[str, i
     counter = _CacheCounter()
     with counter:
         _NodeTracker(gm, counter, convert).run(*flat, enable_io_processing=False)
-    return counter.bytes
+    return counter.bytes, counter.ops

@@ -265,10 +265,12 @@ def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
 def finish_profile(
     cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device,
     cache: dict[str, int] | None = None,
+    ops: dict[str, int] | None = None,
 ) -> CostGraph:
     """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`).
 
-    `cache`: per node, the bytes a selective policy keeping it would cache (selective.cache_bytes).
+    `cache`, `ops`: per node, the bytes a selective policy keeping it would cache and the aten ops it
+    dispatches (selective.policy_costs).
     A node is saveable only when that is no more than the storages the profile gives it: a composite
     node whose policy would also cache intermediates that eager frees at once is recomputed instead,
     so the simulator's figure for a kept node is the allocator's.
@@ -286,7 +288,10 @@ def finish_profile(
         return cache is None or cache.get(c.name, 0) <= produced[i]
 
     nodes = tuple(
-        replace(c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0 and fits(i, c))
+        replace(
+            c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0 and fits(i, c),
+            dispatch_ops=ops.get(c.name, 0) if ops is not None else c.dispatch_ops,
+        )
         for i, (c, n, flag) in enumerate(zip(cost.nodes, compute, flags))
     )
     cost = replace(cost, nodes=nodes)

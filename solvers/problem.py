@@ -62,6 +62,9 @@ class Node:
     saved_tensors: int = 0
     """Tensors the node's forward hands autograd to keep; inside a checkpoint region each one passes
     the region's pack and unpack hooks (`Problem.saved_overhead_s` apiece)."""
+    dispatch_ops: int = 1
+    """Aten ops the node's forward runs: in a selective region each is a call of the policy
+    (`Problem.op_overhead_s` apiece, forward and recompute)."""
 
 
 @dataclass(frozen=True)

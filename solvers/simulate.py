@@ -109,9 +109,10 @@ def call_time(problem: Problem, regions: tuple[tuple[int, int], ...], saved: tup
     total = problem.region_overhead_s * len(regions)
     if saved and problem.op_overhead_s:
         marked = set(saved)
+        ops = [node.dispatch_ops for node in problem.nodes]
         for (s, e), stop in zip(regions, stops):
             if any(s <= i <= e for i in marked):
-                total += problem.op_overhead_s * ((e - s + 1) + max(0, stop - s + 1))
+                total += problem.op_overhead_s * (sum(ops[s : e + 1]) + sum(ops[s : stop + 1]))
     return total
 
 

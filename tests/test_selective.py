@@ -166,7 +166,7 @@ class Composite(nn.Module):
 
 
 def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
-    from ckpt_planner.selective import cache_bytes
+    from ckpt_planner.selective import policy_costs
     from ckpt_planner.verify import measure_step_peaks
 
     torch.manual_seed(0)
@@ -175,7 +175,8 @@ def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
     problem = planner.problem
     names = [n.name for n in problem.nodes]
     mix, linear = names.index("_scores_mix"), names.index("a")
-    cached = cache_bytes(planner.capture.graph_module, [x])
+    cached, ops = policy_costs(planner.capture.graph_module, [x])
+    assert ops["_scores_mix"] >= 4 and problem.nodes[mix].dispatch_ops == ops["_scores_mix"]  # mm, t, div, softmax, mm
     produced = sum(st.nbytes for st in problem.storages if st.producer == mix)
     assert cached["_scores_mix"] > produced  # the 64 x 64 scores and probabilities besides its output
     assert not problem.nodes[mix].saveable
