@@ -20,6 +20,7 @@ buffers they fill are recomputed (cheap); the other ops' outputs are cached.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Iterator, Sequence
@@ -85,6 +86,7 @@ _FACTORIES = ("empty", "empty_like", "new_empty", "zeros", "zeros_like", "ones",
 _RANDOM = re.compile(r"dropout|bernoulli|rand", re.IGNORECASE)
 
 
+@functools.lru_cache(maxsize=None)
 def _cacheable(op) -> bool:
     """Ops whose outputs a saved node keeps: not views, not in-place, not buffers filled in place later."""
     if getattr(op, "is_view", False):
