@@ -45,7 +45,7 @@ from .graph import CostGraph, NodeCost, StorageCost
 from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 from .rewrite import mutated_inputs, written_roots
 from .rng import rng_state_bytes, uses_rng
-from .selective import policy_costs
+from .selective import try_policy_costs
 from .state import rng_preserved
 from .timing import finish_profile, robust_times
 
@@ -200,7 +200,7 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
             cost, (cached, ops) = _profile_fake(gm, flat, config, dev)
         else:
             cost = _profile_real(gm, flat, config, dev)
-            cached, ops = policy_costs(gm, flat)
+            cached, ops = try_policy_costs(gm, flat)
         return finish_profile(
             cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops
         )
@@ -287,7 +287,7 @@ def _profile_fake(
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
         built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
         with fake_mode:
-            costs = policy_costs(gm, flat_fake, convert=_meta_to_cpu)
+            costs = try_policy_costs(gm, flat_fake, convert=_meta_to_cpu)
     finally:
         _swap_state(gm, real_state)
     return built, costs

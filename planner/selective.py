@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .errors import SelectiveReplayError
 from .rewrite import compute_nodes, mutated_inputs, written_roots
 
-__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "policy_costs", "SelectiveReplayError"]
+__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "policy_costs", "try_policy_costs", "SelectiveReplayError"]
 
 _CURRENT = threading.local()
 
@@ -86,7 +86,7 @@ _FACTORIES = ("empty", "empty_like", "new_empty", "zeros", "zeros_like", "ones",
 _RANDOM = re.compile(r"dropout|bernoulli|rand", re.IGNORECASE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cacheable(op) -> bool:
     """Ops whose outputs a saved node keeps: not views, not in-place, not buffers filled in place later."""
     if getattr(op, "is_view", False):
@@ -184,6 +184,15 @@ def policy_costs(gm: fx.GraphModule, flat: Sequence, convert=None) -> tuple[dict
     rewrites each call's (args, kwargs) first (the profiler's meta-to-cpu constants).
     """
     counter = _CacheCounter()
-    with counter:
+    with torch.set_grad_enabled(torch.is_grad_enabled()), counter:  # grad mode as it was, even on an error
         _NodeTracker(gm, counter, convert).run(*flat, enable_io_processing=False)
     return counter.bytes, counter.ops
+
+
+def try_policy_costs(gm: fx.GraphModule, flat: Sequence, convert=None) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+    """`policy_costs`, or (None, None) where the graph cannot be run op by op this way (a higher-order op
+    whose body holds meta-device constants on a fake run): the caller then keeps single-op nodes only."""
+    try:
+        return policy_costs(gm, flat, convert)
+    except Exception:  # noqa: BLE001 - counting is a refinement; planning goes on without it
+        return None, None

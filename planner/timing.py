@@ -284,12 +284,14 @@ def finish_profile(
     for st in cost.storages:
         produced[st.producer] += st.nbytes
 
-    def fits(i: int, c) -> bool:
-        return cache is None or cache.get(c.name, 0) <= produced[i]
+    def fits(i: int, c, n: fx.Node) -> bool:
+        if cache is None:  # not counted: only a node that is one aten op caches just its own outputs
+            return isinstance(n.target, torch._ops.OpOverload)
+        return cache.get(c.name, 0) <= produced[i]
 
     nodes = tuple(
         replace(
-            c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0 and fits(i, c),
+            c, kind=node_kind(gm, n), saveable=flag and c.recomputable and c.out_bytes > 0 and fits(i, c, n),
             dispatch_ops=ops.get(c.name, 0) if ops is not None else c.dispatch_ops,
         )
         for i, (c, n, flag) in enumerate(zip(cost.nodes, compute, flags))

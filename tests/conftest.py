@@ -27,3 +27,13 @@ def flop_times_by_default():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(api, "ProfileConfig", functools.partial(ProfileConfig, flop_times=True))
         yield
+
+
+@pytest.fixture(autouse=True)
+def grad_mode_left_as_found():
+    """A test that leaves autograd disabled (an error inside a no_grad region) would fail every test after
+    it with a misleading refusal; this fails the culprit instead."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left torch's grad mode disabled")
