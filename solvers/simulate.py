@@ -188,11 +188,12 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
     release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
     # A region that draws random numbers saves the generator state when its forward starts (in
     # its parent's context) and keeps it until its backward is done (bytes, keyed by start, ctx).
+    # Its recompute forks the generator (`torch.random.fork_rng`): one more state, held while it runs.
     rng_at: dict[tuple[int, int], int] = {}
-    for r, (s, e) in enumerate(regions):
-        state = max(nodes[i].rng_state_bytes for i in range(s, e + 1))
-        if state:
-            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + state
+    rng_of = [max(nodes[i].rng_state_bytes for i in range(s, e + 1)) for s, e in regions]
+    for r, (s, _e) in enumerate(regions):
+        if rng_of[r]:
+            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + rng_of[r]
 
     def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str) -> None:
         """Run nodes lo..hi in context ctx; kept storages are queued for their backward release."""
@@ -265,7 +266,9 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
         for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
             s = regions[r][0]
             recompute_time += sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
+            live["recomputed"] += rng_of[r]
             forward_pass(s, stops[r], r, "recompute", "recomputed")
+            live["recomputed"] -= rng_of[r]
         node = nodes[k]
         extra = 0
         for j in set(node.inputs):
