@@ -49,6 +49,25 @@ def test_meter_windows_count_bytes_exactly():
     del t
 
 
+def test_meter_counts_only_frees_of_blocks_it_knows():
+    """The profiler reports the free of a block allocated in an earlier session (it remembers the size
+    by address); counted, a step's reading would depend on what earlier sessions left alive."""
+    with AllocatorMeter("cpu"):  # an earlier session (the profile's forward, before its backward's meter)
+        old = torch.empty(4000, dtype=torch.uint8)
+        kept = torch.empty(2000, dtype=torch.uint8)  # declared to the next meter
+    with AllocatorMeter("cpu", known=[kept]) as meter:
+        meter.mark("a")
+        del old  # not the meter's: its free does not count
+        u = torch.empty(1000, dtype=torch.uint8)
+        meter.mark("b")
+        del kept  # declared: its free counts
+        del u
+    a, b = meter.windows()
+    assert (a.start, a.peak, a.end) == (0, 1000, 1000)
+    assert (b.start, b.peak, b.end) == (1000, 1000, -2000)
+    assert meter.peak == 1000
+
+
 def test_meter_is_off_on_meta():
     with AllocatorMeter("meta") as meter:
         meter.mark("a")
