@@ -11,6 +11,8 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
 * When backward reaches the highest node of R that saved anything, R re-runs
   its forward up to the last node that saves something in R's context, and
   its saved storages stay until the backward of their last saving node.
+* A region that draws random numbers (`rng_state_bytes`) holds the generator state from its
+  checkpoint call to its backward, and a second one while its recompute runs.
 * Activation gradients live from the backward of their first consumer to
   the backward of their producer; parameter gradients stay once made.
 * Selective regions (`saved` nodes inside a region without nested regions;
