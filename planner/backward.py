@@ -15,9 +15,12 @@ import contextlib
 import dataclasses
 import gc
 import warnings
+import weakref
 from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from .capture import _key_line
 from .graph import CostGraph
@@ -50,10 +53,17 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
     mem = LiveMemory()
     mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [alive(e[0]) for e in prof.events.values()])
     mem.track(out, loss)
+    refs = [weakref.ref(t) for t in pytree.tree_leaves(list(prof.env.values())) if isinstance(t, torch.Tensor)]
+    refs += [r for e in prof.events.values() for r in e[0]]
     prof.env, prof.events = {}, {}
     gc.collect()  # activations nothing saved are gone, as in a real step
     current: list[str | None] = [None]
-    meter = AllocatorMeter(prof.meter.device) if prof.meter is not None else AllocatorMeter("meta")
+    # The allocator counts the frees of what is live now (saved activations, outputs), made before it started.
+    meter = (
+        AllocatorMeter(prof.meter.device, known=[alive(refs), out, loss])
+        if prof.meter is not None
+        else AllocatorMeter("meta")
+    )
 
     def enter(name: str) -> None:
         if current[0] is not None:

@@ -93,13 +93,24 @@ class AllocatorMeter:
     is no allocator to read (meta and fake tensors, other devices, or a profiler already running);
     then every figure is 0.
 
+    On CPU only blocks the meter saw allocated, and the storages of `known` tensors (made while an
+    earlier meter ran, alive when this one starts), count when they are freed. The profiler also
+    reports frees of other blocks allocated before its session, at sizes it remembers by address
+    from any earlier session (stale once the address is reused): counted, they made two readings
+    of one step differ. (The free of a block allocated with no profiler running is never reported.)
+
         with AllocatorMeter(device) as meter:
             meter.mark("a"); ...; meter.mark("b"); ...
         meter.peak, meter.windows()  # windows: from each mark to the next (or to the end)
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, known: Any = ()) -> None:
         self.device = torch.device(device)
+        self._known = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in pytree.tree_leaves(known)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+        }  # address -> bytes of blocks allocated before the meter whose frees count
         self.available = self.device.type == "cuda" or (
             self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled
         )
@@ -157,19 +168,30 @@ class AllocatorMeter:
             self._windows = self._cuda
             return
         self._prof.__exit__(*exc)
-        events = self._prof.profiler.kineto_results.events()
+        tree = self._prof.profiler.kineto_results.experimental_event_tree()
         self._prof = None
         marks = {}
-        memory = []
-        for e in events:
-            name = e.name()
-            if name == "[memory]":
-                if e.device_type() == torch.autograd.DeviceType.CPU:
-                    memory.append((e.start_ns(), e.nbytes()))  # bytes; negative for a free
-            elif name.startswith(_MARK):
-                marks[int(name[len(_MARK):])] = e.start_ns()
+        blocks = []  # (time ns, address, bytes; negative for a free)
+        stack = list(reversed(tree))
+        while stack:  # depth first, in the order things happened
+            e = stack.pop()
+            stack.extend(reversed(e.children))
+            fields = e.typed[1]
+            if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+                if fields.device.type == "cpu":
+                    blocks.append((e.start_time_ns, fields.ptr, fields.alloc_size))
+            elif e.name.startswith(_MARK):
+                marks[int(e.name[len(_MARK):])] = e.start_time_ns
         starts = [marks.get(i) for i in range(len(self._marks))]
-        memory.sort()
+        blocks.sort(key=lambda b: b[0])  # stable: a block freed and allocated again at one time keeps its order
+        live = dict(self._known)
+        memory = []
+        for ts, ptr, nbytes in blocks:
+            if nbytes > 0:
+                live[ptr] = nbytes
+                memory.append((ts, nbytes))
+            elif ptr in live:
+                memory.append((ts, -live.pop(ptr)))
         windows: list[Window] = []
         level = peak = 0
         w, open_level, open_peak = -1, 0, 0

@@ -11,6 +11,8 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
 * When backward reaches the highest node of R that saved anything, R re-runs
   its forward up to the last node that saves something in R's context, and
   its saved storages stay until the backward of their last saving node.
+* A region that draws random numbers (`rng_state_bytes`) holds the generator state from its
+  checkpoint call to its backward, and a second one while its recompute runs.
 * Activation gradients live from the backward of their first consumer to
   the backward of their producer; parameter gradients stay once made.
 * Selective regions (`saved` nodes inside a region without nested regions;
@@ -191,11 +193,12 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
     release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
     # A region that draws random numbers saves the generator state when its forward starts (in
     # its parent's context) and keeps it until its backward is done (bytes, keyed by start, ctx).
+    # Its recompute forks the generator (`torch.random.fork_rng`): one more state, held while it runs.
     rng_at: dict[tuple[int, int], int] = {}
-    for r, (s, e) in enumerate(regions):
-        state = max(nodes[i].rng_state_bytes for i in range(s, e + 1))
-        if state:
-            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + state
+    rng_of = [max(nodes[i].rng_state_bytes for i in range(s, e + 1)) for s, e in regions]
+    for r, (s, _e) in enumerate(regions):
+        if rng_of[r]:
+            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + rng_of[r]
 
     def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str) -> None:
         """Run nodes lo..hi in context ctx; kept storages are queued for their backward release."""
@@ -271,7 +274,9 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
             recompute_time += sum(
                 hook * nodes[i].saved_tensors + (0.0 if is_saved[i] else nodes[i].time) for i in range(s, stops[r] + 1)
             )
+            live["recomputed"] += rng_of[r]
             forward_pass(s, stops[r], r, "recompute", "recomputed")
+            live["recomputed"] -= rng_of[r]
         node = nodes[k]
         extra = 0
         for j in set(node.inputs):
