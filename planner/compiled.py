@@ -46,8 +46,8 @@ class CompiledBudgetError(InfeasibleBudgetError):
         self.solver = solver
         RuntimeError.__init__(
             self,
-            f"budget {budget_bytes / 1e6:.3f} MB is infeasible under torch.compile: {tries} compiled plans of "
-            f"solver {solver!r} measured over it, the least at {smallest_bytes / 1e6:.3f} MB ({smallest_bytes} bytes, "
+            f"budget {budget_bytes / 1e6:.3f} MB is infeasible under torch.compile: every compiled plan of solver "
+            f"{solver!r} tried ({tries}) measured over it, the least at {smallest_bytes / 1e6:.3f} MB ({smallest_bytes} bytes, "
             f"of which {fixed_bytes / 1e6:.3f} MB is parameters, inputs and optimizer state); raise the budget to "
             "at least that or reduce the batch size",
         )

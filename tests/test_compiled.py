@@ -8,6 +8,7 @@ without compiling, on a stand-in measurement.
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -114,31 +115,20 @@ def test_compiled_sweep_is_monotone_and_within_budgets(setup):
 # -- the re-plan loop and the sweep rule on a stand-in measurement (no compiling) -----------------
 
 @pytest.fixture
-def fake_measure(monkeypatch):
+def scale(monkeypatch):
     """Each plan 'compiles' to its eager module and 'measures' its predicted peak times `scale[0]`."""
-    scale = [1.0]
-    monkeypatch.setattr(compiled_mod, "compile_plan_module", lambda m, **_: m)
+    factor = [1.0]
 
-    def measure(module, model, args, kwargs, **_):
-        return int(module.__dict__["_predicted"] * scale[0])
+    def compiled(self, plan):
+        return compiled_mod._Tried(plan.module, int(plan.predicted_peak_bytes * factor[0]), 0.0)
 
-    monkeypatch.setattr(compiled_mod, "measure_compiled_step", measure)
-    return scale
+    monkeypatch.setattr(CompiledPlanner, "_compiled", compiled)
+    return factor
 
 
 @pytest.fixture
-def stand_in(monkeypatch, fake_measure):
-    model = _model()
-    planner = Planner(model, (torch.randn(32, 64, 16),), profile_config=FAST)
-    plan = planner.plan
-
-    def plan_with_prediction(**kw):
-        p = plan(**kw)
-        object.__setattr__(p.module, "_predicted", p.predicted_peak_bytes)
-        return p
-
-    monkeypatch.setattr(planner, "plan", plan_with_prediction)
-    return planner, fake_measure
+def stand_in(scale):
+    return Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FAST), scale
 
 
 def test_over_budget_plan_is_replanned_tighter_until_it_fits(stand_in):
@@ -212,3 +202,24 @@ def test_compile_refuses_what_it_cannot_compile_whole_in_one_line(model, kwargs,
     with pytest.raises(InputError) as info:
         optimize(model(), (torch.randn(8, 16),), budget_bytes=10**6, compile=True, profile_config=FAST, **kwargs)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_compile_plans_and_records_the_measured_peak(tmp_path, scale, capsys):
+    from ckpt_planner.cli import main
+
+    (tmp_path / "f.py").write_text(
+        "import torch\nfrom ckpt_planner.examples import MLPChain\n\n\ndef make():\n"
+        "    torch.manual_seed(0)\n    return MLPChain(d=32, blocks=4), (torch.randn(64, 32),)\n"
+    )
+    scale[0] = 1.1
+    out = tmp_path / "plan.json"
+    code = main(["plan", f"{tmp_path}/f.py:make", "--compile", "--activation-budget", "0.85", "--curve-points", "0",
+                 "--quiet", "-o", str(out)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    c = data["stats"]["compiled"]
+    assert c["measured_peak_bytes"] == data["measured_peak_bytes"] <= data["budget_bytes"]
+    assert c["replans"] >= 1  # 10 % over the prediction: planned again tighter
+    code = main(["plan", f"{tmp_path}/f.py:make", "--compile", "--verify", "--activation-budget", "0.6"])
+    err = capsys.readouterr().err
+    assert code == 2 and "drop --verify" in err and len(err.strip().splitlines()) == 1
