@@ -103,12 +103,12 @@ def run_model(name: str, fractions, repeats: int, log) -> dict:
             continue
         c = plan.stats["compiled"]
         row.update(measured_peak_bytes=plan.measured_peak_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
-                   regions=len(plan.regions), replans=c["replans"], tries=c["tries"],
+                   regions=len(plan.regions), replans=c["replans"], loosened=c["loosened"], tries=c["tries"],
                    kept_looser_plan="kept_looser_plan" in plan.stats, module=plan.module, params=params,
                    within_budget=plan.measured_peak_bytes <= b)
         rows.append(row)
         log(f"[{name}] ours at {b / 1e6:.2f} MB: {plan.measured_peak_bytes / 1e6:.2f} MB measured, "
-            f"{len(plan.regions)} regions, {c['replans']} re-plans ({time.perf_counter() - t0:.0f} s)")
+            f"{len(plan.regions)} regions, {c['replans']} re-plans, {c['loosened']} looser ({time.perf_counter() - t0:.0f} s)")
     live = [r for r in rows if "module" in r]
     ref = _grads(live[0]["module"], live[0]["params"], inputs)
     for r in live[1:]:
@@ -174,7 +174,7 @@ def report(results: dict) -> str:
                   f"compile variants built in {m['compile_s']:.0f} s, our sweep in {m['ours_plan_s']:.0f} s "
                   f"({m['compiles_ours']} compiled plans). Gradients: compiled (no budget) against eager differ by "
                   f"up to {m['compile_vs_eager_max_abs_grad_diff']:.1e} (largest gradient {m['max_abs_grad']:.1e}).", "",
-                  "| contender | budget (MB) | measured peak (MB) | within | step (ms) | grad diff | regions | re-plans |",
+                  "| contender | budget (MB) | measured peak (MB) | within | step (ms) | grad diff | regions | re-plans: tighter / looser |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in m["contenders"]:
             if r.get("infeasible"):
@@ -186,7 +186,7 @@ def report(results: dict) -> str:
             lines.append(
                 f"| {name} | {'' if budget is None else f'{budget / 1e6:.2f}'} | {r['measured_peak_bytes'] / 1e6:.2f} | "
                 f"{within} | {r['step_s'] * 1e3:.1f} | {r.get('max_abs_grad_diff', 0):.1e} | {r.get('regions', '')} | "
-                f"{r.get('replans', '')} |")
+                f"{_replans(r)} |")
         c = m["checks"]
         lines += ["", f"- compile's peak non-monotone in its budget: {', '.join(c['compile_non_monotone']) or 'no'}",
                   f"- ours non-monotone over {c['ours_budgets']} budgets: {', '.join(c['ours_non_monotone']) or 'no'}; "
@@ -197,6 +197,10 @@ def report(results: dict) -> str:
                          f"step {h['ours_step_s'] * 1e3:.1f} ms against {h['compile_step_s'] * 1e3:.1f} ms "
                          f"({100 * h['ours_vs_compile']:+.1f} %)")
     return "\n".join(lines) + "\n"
+
+
+def _replans(r: dict) -> str:
+    return f"{r['replans']} / {r['loosened']}" if "replans" in r else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,9 @@ plan runs one warm-up step (the compile) and one metered step (`AllocatorMeter`:
 profiler's allocator events, on CUDA `max_memory_allocated`); the peak counted is the resident
 state (parameters, buffers, inputs, optimizer state named by the plan) plus the step's allocator
 peak above it. A plan over its budget is planned again for the budget scaled by the overshoot
-(activation part only), at most `max_replans` times; then `CompiledBudgetError`.
+(activation part only), at most `max_replans` times; then `CompiledBudgetError`. A plan well under
+its budget is planned again looser (at most `max_loosen` times), kept while it fits and is predicted
+to recompute less: the eager prediction errs both ways under compile.
 
 `CompiledPlanner.sweep` makes a curve whose measured peaks never rise as the budget falls: where
 a tighter budget measures above a looser one, the looser plan (which fits it too, and was planned
@@ -161,7 +163,7 @@ class CompiledPlanner:
         curve = cp.sweep([b1, b2, ...])           # measured peaks never rise as the budget falls
     """
 
-    def __init__(self, planner: Any, *, max_replans: int = 3, loss_fn: Callable[[Any], torch.Tensor] = _loss,
+    def __init__(self, planner: Any, *, max_replans: int = 3, max_loosen: int = 2, slack: float = 0.05, loss_fn: Callable[[Any], torch.Tensor] = _loss,
                  compile_options: dict[str, Any] | None = None) -> None:
         if max_replans < 0:
             raise InputError(f"max_replans: {max_replans} must be >= 0")
@@ -176,6 +178,10 @@ class CompiledPlanner:
                              "drop compile=True or plan one rank with world_size=1")
         self.planner = planner
         self.max_replans = max_replans
+        self.max_loosen = max_loosen
+        """Plans tried at looser targets when the compiled step measures well under the budget."""
+        self.slack = slack
+        """Room (fraction of the budget's activation part) under which a looser plan is tried."""
         self.loss_fn = loss_fn
         self.compile_options = dict(compile_options or {})
         self.device = _device_of(planner.model)
@@ -223,6 +229,7 @@ class CompiledPlanner:
             if best is None or tried.measured < best[1].measured:
                 best = (plan, tried)
             if tried.measured <= budget:
+                plan, tried = self._loosen(plan, tried, target, budget, tries, plan_args)
                 return self._finish(plan, tried, tries, budget)
             if attempt == self.max_replans:
                 break
@@ -240,6 +247,37 @@ class CompiledPlanner:
             tries_spans.append(plan.spans())
         raise CompiledBudgetError(budget, best[1].measured, first.solver, fixed + self.extra_bytes, len(tries))
 
+    def _loosen(self, plan: Plan, tried: _Tried, target: int, budget: int, tries: list[dict],
+                plan_args: dict[str, Any]) -> tuple[Plan, _Tried]:
+        """The compiled step often needs less than the eager prediction: plan again for the target scaled
+        up by the room left, and keep that plan while it still fits and is predicted to recompute less."""
+        fixed = self.planner.problem.fixed_bytes
+        lo, hi = target, None  # targets: the kept plan's, and the least one that measured over the budget
+        for _ in range(self.max_loosen):
+            if tried.measured >= budget - self.slack * (budget - fixed):  # close enough to the budget
+                break
+            scaled = fixed + int((lo - fixed) * (budget - fixed) / max(1, tried.measured - fixed))
+            up = scaled if hi is None else (lo + hi) // 2  # bisect once a looser plan went over
+            if up <= lo:
+                break
+            try:
+                other = self.planner.plan(budget_bytes=up, **plan_args)
+            except InfeasibleBudgetError:
+                break
+            if other.spans() == plan.spans() and other.saved_indices() == plan.saved_indices():
+                lo = up  # the same plan: a still looser target may change it
+                continue
+            t = self._compiled(other)
+            tries.append({"planned_for_bytes": up, "predicted_peak_bytes": other.predicted_peak_bytes,
+                          "measured_peak_bytes": t.measured, "regions": len(other.regions), "looser": True})
+            if t.measured > budget:
+                hi = up
+                continue
+            lo = up
+            if other.predicted_recompute_s < plan.predicted_recompute_s:
+                plan, tried = other, t
+        return plan, tried
+
     def _finish(self, plan: Plan, tried: _Tried, tries: list[dict], budget: int | None) -> Plan:
         out = dataclasses.replace(plan, budget_bytes=budget if budget is not None else plan.budget_bytes)
         out.module = tried.module
@@ -248,11 +286,13 @@ class CompiledPlanner:
         out.stats = {**plan.stats, "compiled": {
             "backend": self.compile_options.get("backend", "inductor"), "fullgraph": True,
             "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": tried.measured,
-            "compile_and_measure_s": round(tried.compile_s, 3), "replans": max(0, len(tries) - 1), "tries": tries,
+            "compile_and_measure_s": round(tried.compile_s, 3), "tries": tries,
+            "replans": sum(1 for t in tries[1:] if not t.get("looser")),
+            "loosened": sum(1 for t in tries if t.get("looser")),
         }}
         notes = [f"compiled (inductor, fullgraph): measured peak {tried.measured / 1e6:.3f} MB against "
                  f"{plan.predicted_peak_bytes / 1e6:.3f} MB predicted for the eager plan"]
-        if len(tries) > 1:
+        if any(not t.get("looser") for t in tries[1:]):
             notes.append(f"re-planned {len(tries) - 1}x at tighter budgets: the compiled step measured over the budget")
         if plan.saved_indices():
             notes.append("selective regions run as whole regions under torch.compile (their kept ops are recomputed)")

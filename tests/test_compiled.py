@@ -144,6 +144,20 @@ def test_over_budget_plan_is_replanned_tighter_until_it_fits(stand_in):
     assert any("re-planned" in n for n in plan.notes)
 
 
+def test_plan_well_under_budget_compiled_is_replanned_looser_while_it_fits(stand_in):
+    planner, scale = stand_in
+    base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
+    budget = int(fixed + 0.5 * (base - fixed))
+    eager = planner.plan(budget_bytes=budget)
+    scale[0] = 0.8  # the compiled step measures 20 % under the eager prediction
+    plan = CompiledPlanner(planner).plan(budget_bytes=budget)
+    looser = [t for t in plan.stats["compiled"]["tries"] if t.get("looser")]
+    assert looser and plan.stats["compiled"]["loosened"] == len(looser), plan.stats["compiled"]["tries"]
+    assert plan.measured_peak_bytes <= budget
+    assert plan.predicted_recompute_s < eager.predicted_recompute_s, (budget, plan.stats["compiled"]["tries"])
+    assert plan.predicted_peak_bytes > eager.predicted_peak_bytes
+
+
 def test_budget_never_met_compiled_raises_one_clear_line(stand_in):
     planner, scale = stand_in
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
