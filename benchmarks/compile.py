@@ -179,7 +179,7 @@ def report(results: dict) -> str:
                   f"compile variants built in {m['compile_s']:.0f} s, our sweep in {m['ours_plan_s']:.0f} s "
                   f"({m['compiles_ours']} compiled plans). Gradients: compiled (no budget) against eager differ by "
                   f"up to {m['compile_vs_eager_max_abs_grad_diff']:.1e} (largest gradient {m['max_abs_grad']:.1e}).", "",
-                  "| contender | budget (MB) | measured peak (MB) | within | step (ms) | grad diff | regions | re-plans: tighter / looser |",
+                  "| contender | budget (MB) | measured peak (MB) | within | step ms: median (min-max) | grad diff | regions | re-plans: tighter / looser |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in m["contenders"]:
             if r.get("infeasible"):
@@ -190,7 +190,7 @@ def report(results: dict) -> str:
             name = r["name"] + (" (looser plan kept)" if r.get("kept_looser_plan") else "")
             lines.append(
                 f"| {name} | {'' if budget is None else f'{budget / 1e6:.2f}'} | {r['measured_peak_bytes'] / 1e6:.2f} | "
-                f"{within} | {r['step_s'] * 1e3:.1f} | {r.get('max_abs_grad_diff', 0):.1e} | {r.get('regions', '')} | "
+                f"{within} | {r['step_s'] * 1e3:.0f} ({min(r['step_times_s']) * 1e3:.0f}-{max(r['step_times_s']) * 1e3:.0f}) | {r.get('max_abs_grad_diff', 0):.1e} | {r.get('regions', '')} | "
                 f"{_replans(r)} |")
         c = m["checks"]
         lines += ["", f"- compile's peak non-monotone in its budget: {', '.join(c['compile_non_monotone']) or 'no'}",
