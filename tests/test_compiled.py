@@ -92,7 +92,7 @@ def test_compiled_plan_fits_its_budget_trains_and_matches_compiled_gradients(set
         loss = plan.module(x).square().mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with torch.no_grad():
