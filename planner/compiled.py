@@ -240,8 +240,10 @@ class CompiledPlanner:
                 break
             try:
                 plan = planner.plan(budget_bytes=target, **plan_args)
-            except InfeasibleBudgetError:
-                break
+            except InfeasibleBudgetError as e:  # below the eager floor: the least-memory plan, once
+                plan = planner.plan(budget_bytes=e.smallest_bytes, **plan_args)
+                if plan.spans() in tries_spans:
+                    break
             if plan.spans() == tries_spans[-1]:
                 continue  # the same plan again: only a tighter target can change it
             tries_spans.append(plan.spans())
