@@ -109,6 +109,7 @@ def optimize(
     own_checkpointing: str = "replace",
     on_larger_shape: str = "error",
     partial: bool = True,
+    compile: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -156,8 +157,21 @@ def optimize(
     notes name what was left out and what it costs).
     progress=True shows each stage (capture, profile, solve, rewrite) and the solver's steps
     on stderr; without it they go to the "ckpt_planner" logger (planner/progress.py).
+    compile=True: plan.module runs its training step under torch.compile (inductor, fullgraph) and
+    the budget is the compiled step's measured allocator peak (see planner/compiled.py).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
+    if compile:
+        from .compiled import optimize_compiled
+
+        return optimize_compiled(
+            model, example_inputs,
+            dict(device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
+                 world_size=world_size, sharding=sharding),
+            dict(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+                 solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+                 on_larger_shape=on_larger_shape),
+        )
     solvers.get_solver(solver)  # unknown names fail before any work
     if own_checkpointing not in OWN_CHECKPOINTING:
         raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")

@@ -256,6 +256,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     solvers.get_solver(args.solver)
     if args.verify and args.device == "meta":
         raise InputError("verify: a plan made on the meta device cannot be run; drop --verify or use --device cpu/cuda")
+    if args.compile and args.verify:
+        raise InputError("verify: a --compile plan is measured compiled while planning (its summary shows the "
+                         "measured peak); drop --verify")
     curve_solvers = _curve_solvers(args)
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
@@ -263,7 +266,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
         planner = _planner(args, loaded, inputs, record, bar)
         with _stage(bar, f"solving ({args.solver})"):
-            plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
+            if args.compile:
+                from .compiled import CompiledPlanner
+
+                plan = CompiledPlanner(planner).plan(solver=args.solver, **_budget_kwargs(args))
+            else:
+                plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")
         plan.stats.update(rep.plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}

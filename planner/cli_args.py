@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(plan)
     plan.add_argument("--solver", default=default_solver(), help=f"one of {', '.join(sorted(SOLVERS))}")
     plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
+    plan.add_argument("--compile", action="store_true",
+                      help="plan for the step under torch.compile (inductor, fullgraph): the budget is its measured "
+                           "allocator peak, re-planned tighter while over it")
     plan.add_argument("--curve-points", type=_count(0, 1000), default=8,
                       help="budgets per solver for the report's memory/overhead curve (0: none; default 8)")
     plan.add_argument("--curve-solvers", help="comma-separated solvers for that curve (default: all registered "

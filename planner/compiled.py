@@ -1,0 +1,352 @@
+"""The plan lowered into torch.compile, judged on the compiled step's allocator peak.
+
+Lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
+whole with inductor, `fullgraph=True`; dynamo turns each region into a `tag_activation_checkpoint`
+call and the AOT partitioner recomputes it in the compiled backward, fused with its neighbours.
+Selective regions lose their kept ops under compile (their position policy needs `enter_node`,
+which the trace skips): they are recomputed whole, which saves more and costs more than planned.
+
+Inductor plans its own buffers, so the eager prediction is not the compiled peak. Each compiled
+plan runs one warm-up step (the compile) and one metered step (`AllocatorMeter`: the CPU
+profiler's allocator events, on CUDA `max_memory_allocated`); the peak counted is the resident
+state (parameters, buffers, inputs, optimizer state named by the plan) plus the step's allocator
+peak above it. A plan over its budget is planned again for the budget scaled by the overshoot
+(activation part only), at most `max_replans` times; then `CompiledBudgetError`. A plan well under
+its budget is planned again looser (at most `max_loosen` times), kept while it fits and is predicted
+to recompute less: the eager prediction errs both ways under compile.
+
+`CompiledPlanner.sweep` makes a curve whose measured peaks never rise as the budget falls: where
+a tighter budget measures above a looser one, the looser plan (which fits it too, and was planned
+with more room, so it is no slower by the planner's model) is used for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import InputError
+from .memory import AllocatorMeter
+from .plan import Plan
+from .solvers import InfeasibleBudgetError
+from .state import ModelState
+
+__all__ = ["CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "measure_compiled_step"]
+
+
+class CompiledBudgetError(InfeasibleBudgetError):
+    """No compiled plan tried measured within the budget; `smallest_bytes` is the least peak measured."""
+
+    def __init__(self, budget_bytes: int, smallest_bytes: int, solver: str, fixed_bytes: int, tries: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.smallest_bytes = smallest_bytes
+        self.solver = solver
+        RuntimeError.__init__(
+            self,
+            f"budget {budget_bytes / 1e6:.3f} MB is infeasible under torch.compile: every compiled plan of solver "
+            f"{solver!r} tried ({tries}) measured over it, the least at {smallest_bytes / 1e6:.3f} MB ({smallest_bytes} bytes, "
+            f"of which {fixed_bytes / 1e6:.3f} MB is parameters, inputs and optimizer state); raise the budget to "
+            "at least that or reduce the batch size",
+        )
+
+
+class CompiledPlanModule(torch.nn.Module):
+    """A plan's checkpointed module with its training forward compiled (inductor, fullgraph).
+
+    It shares the checkpointed module's parameters, buffers and submodules (same `state_dict`
+    keys as the model). Eval mode, and inputs above the planned shape, go through the eager
+    checkpointed module (its shape guard and the original model), uncompiled.
+    """
+
+    def __init__(self, eager: torch.nn.Module, **compile_options: Any) -> None:
+        super().__init__()
+        self._modules = eager._modules  # same objects: parameters(), state_dict() as the model's
+        self._parameters = eager._parameters
+        self._buffers = eager._buffers
+        object.__setattr__(self, "eager", eager)
+        # The GraphModule's forward is its own code object per plan, so dynamo's per-code cache
+        # holds one entry per plan (compiling the shared __call__ would hit its recompile limit).
+        object.__setattr__(self, "compiled_forward", torch.compile(eager.forward, fullgraph=True, **compile_options))
+
+    def train(self, mode: bool = True) -> CompiledPlanModule:
+        super().train(mode)
+        self.eager.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        eager = self.eager
+        if not (self.training and torch.is_grad_enabled()):
+            return eager(*args, **kwargs)
+        guard = eager.__dict__.get("shape_guard")
+        if guard is not None:
+            args, kwargs = guard.bind(args, kwargs)
+            if guard.module_for(args, kwargs) is not None:  # above the planned shape: its own plan, eager
+                return eager(*args, **kwargs)
+        return self.compiled_forward(*args, **kwargs)
+
+
+def compile_plan_module(module: torch.nn.Module, **compile_options: Any) -> CompiledPlanModule:
+    """Wrap a plan's checkpointed module so that its training step runs compiled."""
+    return CompiledPlanModule(module, **compile_options)
+
+
+def _loss(output: Any) -> torch.Tensor:
+    from .verify import default_loss
+
+    return default_loss(output)
+
+
+def _resident_bytes(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes of the unique storages of parameters, buffers and input tensors."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_compiled_step(
+    module: torch.nn.Module,
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    device: torch.device | str = "cpu",
+    extra_bytes: int = 0,
+    loss_fn: Callable[[Any], torch.Tensor] = _loss,
+    warmup: int = 1,
+) -> int:
+    """Peak bytes of one training step of a compiled module: resident state + the allocator's peak.
+
+    Runs `warmup` steps first (the compile happens there, outside the meter); `model` keeps its
+    buffers, grads, modes and RNG (ModelState). `extra_bytes`: resident state the step does not
+    allocate (optimizer state). A meter that cannot read the allocator raises InputError.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    with ModelState(model).preserved():
+        for _ in range(warmup):
+            loss_fn(module(*args, **kwargs)).backward()
+        for p in params:
+            p.grad = None
+        resident = _resident_bytes(model, args, kwargs)
+        meter = AllocatorMeter(device)
+        if not meter.available:
+            raise InputError(f"compile: the allocator of device {device} cannot be read here (a profiler running?)")
+        with meter:
+            out = module(*args, **kwargs)
+            loss_fn(out).backward()
+            del out
+        for p in params:
+            p.grad = None
+    return int(resident + meter.peak + extra_bytes)
+
+
+@dataclasses.dataclass
+class _Tried:
+    module: CompiledPlanModule
+    measured: int
+    compile_s: float
+
+
+class CompiledPlanner:
+    """Plans from a `Planner`, compiled and measured; re-planned tighter while over the budget.
+
+        cp = CompiledPlanner(Planner(model, inputs))
+        plan = cp.plan(budget_bytes=...)          # plan.module is compiled, plan.measured_peak_bytes <= budget
+        curve = cp.sweep([b1, b2, ...])           # measured peaks never rise as the budget falls
+    """
+
+    def __init__(self, planner: Any, *, max_replans: int = 3, max_loosen: int = 2, slack: float = 0.05, loss_fn: Callable[[Any], torch.Tensor] = _loss,
+                 compile_options: dict[str, Any] | None = None) -> None:
+        if max_replans < 0:
+            raise InputError(f"max_replans: {max_replans} must be >= 0")
+        cap = planner.capture
+        if getattr(planner.cost, "meta", False) or any(
+            t.is_meta for t in pytree.tree_leaves((cap.args, cap.kwargs)) if isinstance(t, torch.Tensor)
+        ):
+            raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
+                             "plan on cpu/cuda or drop compile=True")
+        if planner.sharding:
+            raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
+                             "drop compile=True or plan one rank with world_size=1")
+        self.planner = planner
+        self.max_replans = max_replans
+        self.max_loosen = max_loosen
+        """Plans tried at looser targets when the compiled step measures well under the budget."""
+        self.slack = slack
+        """Room (fraction of the budget's activation part) under which a looser plan is tried."""
+        self.loss_fn = loss_fn
+        self.compile_options = dict(compile_options or {})
+        self.device = _device_of(planner.model)
+        self._tried: dict[tuple, _Tried] = {}
+
+    @property
+    def extra_bytes(self) -> int:
+        """Optimizer state: resident, counted in the budget, not allocated by the step."""
+        return int(getattr(self.planner.problem, "optimizer_bytes", 0) or 0)
+
+    def _compiled(self, plan: Plan) -> _Tried:
+        key = (tuple(plan.spans()), tuple(plan.saved_indices()))
+        if key not in self._tried:
+            cap = self.planner.capture
+            t0 = time.perf_counter()
+            module = compile_plan_module(plan.module, **self.compile_options)
+            measured = measure_compiled_step(
+                module, self.planner.model, cap.args, cap.kwargs, device=self.device,
+                extra_bytes=self.extra_bytes, loss_fn=self.loss_fn,
+            )
+            self._tried[key] = _Tried(module, measured, time.perf_counter() - t0)
+        return self._tried[key]
+
+    def plan(self, *, budget_gb: float | None = None, budget_bytes: int | None = None,
+             activation_budget: float | None = None, **plan_args: Any) -> Plan:
+        """A compiled plan whose measured peak is within the budget (see `Planner.plan` for the arguments)."""
+        planner = self.planner
+        try:
+            first = planner.plan(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget,
+                                 **plan_args)
+        except InfeasibleBudgetError as e:
+            # Below the eager floor: the least-memory plan may still fit once inductor has planned its buffers.
+            first = planner.plan(budget_bytes=e.smallest_bytes, **plan_args)
+            first.budget_bytes = e.budget_bytes
+        budget = first.budget_bytes
+        if budget is None:  # no budget: the knee plan, compiled and measured, nothing to meet
+            return self._finish(first, self._compiled(first), [], None)
+        fixed = planner.problem.fixed_bytes
+        plan, target, tries, best = first, budget, [], None
+        tries_spans = [first.spans()]
+        for attempt in range(1 + self.max_replans):
+            tried = self._compiled(plan)
+            tries.append({"planned_for_bytes": target, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                          "measured_peak_bytes": tried.measured, "regions": len(plan.regions)})
+            if best is None or tried.measured < best[1].measured:
+                best = (plan, tried)
+            if tried.measured <= budget:
+                plan, tried = self._loosen(plan, tried, target, budget, tries, plan_args)
+                return self._finish(plan, tried, tries, budget)
+            if attempt == self.max_replans:
+                break
+            # The activation part scaled by the overshoot, and always below the last target.
+            scaled = fixed + int((target - fixed) * (budget - fixed) / max(1, tried.measured - fixed))
+            target = min(scaled, target - (tried.measured - budget) // 2, target - 1)
+            if target <= fixed:
+                break
+            try:
+                plan = planner.plan(budget_bytes=target, **plan_args)
+            except InfeasibleBudgetError as e:  # below the eager floor: the least-memory plan, once
+                plan = planner.plan(budget_bytes=e.smallest_bytes, **plan_args)
+                if plan.spans() in tries_spans:
+                    break
+            if plan.spans() == tries_spans[-1]:
+                continue  # the same plan again: only a tighter target can change it
+            tries_spans.append(plan.spans())
+        raise CompiledBudgetError(budget, best[1].measured, first.solver, fixed + self.extra_bytes, len(tries))
+
+    def _loosen(self, plan: Plan, tried: _Tried, target: int, budget: int, tries: list[dict],
+                plan_args: dict[str, Any]) -> tuple[Plan, _Tried]:
+        """The compiled step often needs less than the eager prediction: plan again for the target scaled
+        up by the room left, and keep that plan while it still fits and is predicted to recompute less."""
+        fixed = self.planner.problem.fixed_bytes
+        lo, hi = target, None  # targets: the kept plan's, and the least one that measured over the budget
+        for _ in range(self.max_loosen):
+            if tried.measured >= budget - self.slack * (budget - fixed):  # close enough to the budget
+                break
+            scaled = fixed + int((lo - fixed) * (budget - fixed) / max(1, tried.measured - fixed))
+            up = scaled if hi is None else (lo + hi) // 2  # bisect once a looser plan went over
+            if up <= lo:
+                break
+            try:
+                other = self.planner.plan(budget_bytes=up, **plan_args)
+            except InfeasibleBudgetError:
+                break
+            if other.spans() == plan.spans() and other.saved_indices() == plan.saved_indices():
+                lo = up  # the same plan: a still looser target may change it
+                continue
+            t = self._compiled(other)
+            tries.append({"planned_for_bytes": up, "predicted_peak_bytes": other.predicted_peak_bytes,
+                          "measured_peak_bytes": t.measured, "regions": len(other.regions), "looser": True})
+            if t.measured > budget:
+                hi = up
+                continue
+            lo = up
+            if other.predicted_recompute_s < plan.predicted_recompute_s:
+                plan, tried = other, t
+        return plan, tried
+
+    def _finish(self, plan: Plan, tried: _Tried, tries: list[dict], budget: int | None) -> Plan:
+        out = dataclasses.replace(plan, budget_bytes=budget if budget is not None else plan.budget_bytes)
+        out.module = tried.module
+        out.problem = plan.problem
+        out.measured_peak_bytes = tried.measured
+        out.stats = {**plan.stats, "compiled": {
+            "backend": self.compile_options.get("backend", "inductor"), "fullgraph": True,
+            "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": tried.measured,
+            "compile_and_measure_s": round(tried.compile_s, 3), "tries": tries,
+            "replans": sum(1 for t in tries[1:] if not t.get("looser")),
+            "loosened": sum(1 for t in tries if t.get("looser")),
+        }}
+        notes = [f"compiled (inductor, fullgraph): measured peak {tried.measured / 1e6:.3f} MB against "
+                 f"{plan.predicted_peak_bytes / 1e6:.3f} MB predicted for the eager plan"]
+        if any(not t.get("looser") for t in tries[1:]):
+            notes.append(f"re-planned {len(tries) - 1}x at tighter budgets: the compiled step measured over the budget")
+        if plan.saved_indices():
+            notes.append("selective regions run as whole regions under torch.compile (their kept ops are recomputed)")
+        out.notes = tuple(plan.notes) + tuple(notes)
+        return out
+
+    def sweep(self, budgets: Sequence[int], **plan_args: Any) -> list[Plan | None]:
+        """One compiled plan per budget (bytes), None where infeasible; measured peaks never rise
+        as the budget falls (a tighter budget measuring above a looser one gets the looser plan)."""
+        out: dict[int, Plan | None] = {}
+        looser: Plan | None = None
+        for b in sorted(set(int(x) for x in budgets), reverse=True):
+            try:
+                plan = self.plan(budget_bytes=b, **plan_args)
+            except InfeasibleBudgetError:
+                out[b] = None
+                continue
+            if looser is not None and plan.measured_peak_bytes > looser.measured_peak_bytes:
+                kept = dataclasses.replace(looser, budget_bytes=b)
+                kept.module, kept.problem = looser.module, looser.problem
+                kept.measured_peak_bytes = looser.measured_peak_bytes
+                kept.stats = {**looser.stats, "kept_looser_plan": {
+                    "budget_bytes": looser.budget_bytes, "own_measured_peak_bytes": plan.measured_peak_bytes}}
+                kept.notes = tuple(looser.notes) + (
+                    f"the plan for this budget measured {plan.measured_peak_bytes / 1e6:.3f} MB compiled, above the "
+                    f"plan for {looser.budget_bytes / 1e6:.3f} MB; that plan is kept (it fits, with no more recompute)",)
+                plan = kept
+            out[b] = looser = plan
+        return [out[int(b)] for b in budgets]
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any]) -> Plan:
+    """optimize(..., compile=True): one whole graph planned, compiled, measured and re-planned to fit."""
+    from .api import Planner
+    from .errors import CaptureError
+
+    if planner_args.get("world_size", 1) != 1:
+        raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
+                         "drop compile=True or plan one rank with world_size=1")
+    device = planner_args.get("device")
+    if device is not None and torch.device(device).type == "meta":
+        raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
+                         "plan on cpu/cuda or drop compile=True")
+    try:
+        planner = Planner(model, example_inputs, **planner_args)
+    except CaptureError as e:
+        raise InputError(f"compile: torch.compile(fullgraph=True) needs the whole model as one graph, and it "
+                         f"could not be captured ({str(e).splitlines()[0]}); drop compile=True to plan it in parts") from e
+    return CompiledPlanner(planner).plan(**plan_args)
