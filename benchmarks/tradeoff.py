@@ -207,9 +207,15 @@ def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (
         except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
             plans.append(("error", str(e)[:120]))
     times_equal = sum(a.time == b.time for a, b in zip(problem.nodes, again.nodes))
+    gap = None
+    if plans[0][0] != "error" and plans[1][0] != "error":
+        # Both plans priced on the first profile: a difference between near-equal plans, or a worse one?
+        first = solvers.simulate(problem, plans[0][0], saved=plans[0][1]).recompute_time
+        second = solvers.simulate(problem, plans[1][0], saved=plans[1][1]).recompute_time
+        gap = (second - first) / problem.base_step_s if problem.base_step_s > 0 else None
     return {"solver": solver, "activation_budget": fraction, "same_plan": plans[0] == plans[1],
             "regions": [len(p[0]) if p[0] != "error" else None for p in plans],
-            "node_times_equal": f"{times_equal} of {problem.n}"}
+            "node_times_equal": f"{times_equal} of {problem.n}", "step_gap": gap}
 
 
 def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: dict | None = None) -> list[Contender]:

@@ -315,7 +315,10 @@ def write_report(results: dict, out: Path) -> None:
         if det:
             lines += [f"Two captures and profiles from scratch, solved with {det['solver']} at activation budget "
                       f"{det['activation_budget']}: {'the same plan' if det['same_plan'] else 'DIFFERENT plans'} "
-                      f"(regions {det['regions']}; node times equal: {det['node_times_equal']}).", ""]
+                      f"(regions {det['regions']}; node times equal: {det['node_times_equal']}"
+                      + ("" if det.get("step_gap") is None else
+                         f"; the second plan priced on the first profile: {100 * det['step_gap']:+.1f} % of a step")
+                      + ").", ""]
         for key, t in a["targets"].items():
             summary.append((model["name"], key, t))
     lines += ["## Targets", "",
@@ -350,7 +353,8 @@ def write_report(results: dict, out: Path) -> None:
             detail = f"{t['compared']} compared" + (f"; slower: {'; '.join(t['slower'])}" if t["slower"] else "; none slower")
         elif key == "same plan twice":
             d = t["detail"]
-            detail = f"{d['solver']} at {d['activation_budget']}: regions {d['regions']}, node times equal {d['node_times_equal']}"
+            detail = f"{d['solver']} at {d['activation_budget']}: regions {d['regions']}, node times equal {d['node_times_equal']}" + (
+                "" if d.get("step_gap") is None else f", second plan on the first profile {100 * d['step_gap']:+.1f} % of a step")
         elif key == "largest batch":
             detail = f"ours {t['ours']}, none {t['none']}, per-block {t['per_block']}"
         else:
