@@ -201,9 +201,7 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
         else:
             cost = _profile_real(gm, flat, config, dev)
             cached, ops = try_policy_costs(gm, flat)
-        return finish_profile(
-            cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops
-        )
+        return finish_profile(cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops)
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:

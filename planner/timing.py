@@ -231,24 +231,12 @@ def with_step_times(
 
     problem = cost.to_problem()
     sim = simulate(problem, regions)
-    nodes_s = sim.recompute_time - sim.call_time - _hook_time(problem, regions)
+    nodes_s = sim.recompute_time - sim.call_time - sim.hook_time
     if nodes_s <= 0:
         return cost
     scale = min(4.0, max(0.5, quantize((times[2] - graph_s - (sim.recompute_time - nodes_s)) / nodes_s)))
     nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
     return replace(cost, nodes=nodes, recompute_scale=scale)
-
-
-def _hook_time(problem, regions) -> float:
-    """Seconds of saved-tensor hooks the simulator charges for a flat plan's recomputed nodes."""
-    from .solvers.costs import saver_flags
-
-    saves = saver_flags(problem)
-    total = 0.0
-    for s, e in regions:
-        stop = max((k for k in range(s, e + 1) if saves[k]), default=s - 1)
-        total += sum(problem.saved_overhead_s * problem.nodes[i].saved_tensors for i in range(s, stop + 1))
-    return total
 
 
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:

@@ -68,6 +68,8 @@ class SimResult:
     """(phase, node, bytes) after every event, when asked for."""
     call_time: float = 0.0
     """The part of recompute_time that is checkpoint-call and policy-dispatch cost. # seconds"""
+    hook_time: float = 0.0
+    """The part of recompute_time that is the regions' saved-tensor hooks. # seconds"""
 
 
 def normalize_regions(problem: Problem, regions) -> tuple[tuple[int, int], ...]:
@@ -265,15 +267,15 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
     if n:
         forward_pass(0, n - 1, -1, "forward", "activations")
 
-    recompute_time = 0.0
+    recompute_time = hook_time = 0.0
     hook = problem.saved_overhead_s
     grad_live = [False] * n
     for k in range(n - 1, -1, -1):
         for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
             s = regions[r][0]
-            recompute_time += sum(
-                hook * nodes[i].saved_tensors + (0.0 if is_saved[i] else nodes[i].time) for i in range(s, stops[r] + 1)
-            )
+            hooks = hook * sum(nodes[i].saved_tensors for i in range(s, stops[r] + 1))
+            hook_time += hooks
+            recompute_time += hooks + sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
             live["recomputed"] += rng_of[r]
             forward_pass(s, stops[r], r, "recompute", "recomputed")
             live["recomputed"] -= rng_of[r]
@@ -299,6 +301,7 @@ def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) 
         peak_bytes=max(best["bytes"], sum(fixed.values())),
         recompute_time=recompute_time + calls,
         call_time=calls,
+        hook_time=hook_time,
         peak_phase=best["phase"],
         peak_node=best["node"],
         breakdown=best["breakdown"],
