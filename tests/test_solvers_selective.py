@@ -16,6 +16,7 @@ import random
 from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve
 from ckpt_planner.solvers.bruteforce import bruteforce, enumerate_selective
 from ckpt_planner.solvers.costs import recompute_time
+from ckpt_planner.solvers.simulate import region_parents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,7 +108,9 @@ def test_solvers_against_selective_bruteforce(seed, n, bseed):
             continue
         assert joint.peak_bytes <= budget
         assert joint.peak_bytes == simulate(problem, joint.regions, saved=joint.saved).peak_bytes
-        assert joint.recompute_time >= sel.recompute_time - 1e-9  # never beats the exhaustive optimum
+        if all(parent < 0 for parent in region_parents(tuple(joint.regions))):
+            # the exhaustive space is flat regions with kept ops; dp may also nest, and a nested plan may beat it
+            assert joint.recompute_time >= sel.recompute_time - 1e-9  # never beats the exhaustive optimum
         assert joint.recompute_time <= alone.recompute_time + 1e-12  # saved ops are added only when they pay
     assert abs(solve(problem, budget, solver="ilp", selective=False).recompute_time - flat.recompute_time) <= 1e-9
 
