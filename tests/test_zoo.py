@@ -37,25 +37,11 @@ def _planned(name: str):
     return _planners[name]
 
 
-# Open: in the full slow run some plans read the allocator off their prediction (gpt2/dp: the same plan
-# as a run alone, 8.7 % under it; gpt2/ilp, bert/ilp and bert/auto, whose 2 s MILP limit picks other plans
-# under load, 1.8-5.8 % over), while each is exact to the byte when run alone. Not yet explained; the
-# cases of the same kind listed last time stay marked until a long run passes them all.
-ALLOCATOR_OPEN = {
-    ("gpt2", "dp"), ("gpt2", "ilp"), ("bert", "auto"), ("bert", "ilp"),
-    ("t5", "dp"), ("t5", "auto"), ("swin", "dp"), ("swin", "auto"), ("swin", "greedy"), ("swin", "ilp"), ("vit", "dp"),
-}
-
-
 def _params():
     for name in ZOO:
         marks = [pytest.mark.slow] if name in SLOW else []
         for solver in solver_names():
-            known = (
-                [pytest.mark.xfail(reason="allocator reading off the prediction in a long run; open", strict=False)]
-                if (name, solver) in ALLOCATOR_OPEN else []
-            )
-            yield pytest.param(name, solver, marks=marks + known, id=f"{name}-{solver}")
+            yield pytest.param(name, solver, marks=marks, id=f"{name}-{solver}")
 
 
 @pytest.mark.parametrize("name,solver", list(_params()))

@@ -212,7 +212,7 @@ def run_case(
     verified) at the smallest budget the error names; `smallest_feasible` is False when that
     budget is refused too. A solver that refuses the problem's size (brute force) gives a row
     with `skipped` set. `cache` (a dict kept across calls for one model) reuses the measurement
-    of a plan with the same regions.
+    of a plan with the same regions (spans, nesting and kept ops).
     """
     from ckpt_planner.errors import InfeasibleBudgetError
     from ckpt_planner.verify import verify
@@ -235,7 +235,9 @@ def run_case(
         if "max_nodes" not in str(e):
             raise
         return {**row, "skipped": str(e).splitlines()[0]}
-    key = tuple(plan.spans())
+    # A plan is its regions with their nesting and kept ops: two plans with one set of spans but
+    # different kept ops are different plans and are measured apart.
+    key = tuple((r.start, r.end, r.depth, r.saved_positions) for r in plan.regions)
     if cache is not None and key in cache:
         report = cache[key]
     else:
