@@ -98,7 +98,8 @@ def solve_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
     failures: list[str] = []
     for name in _backends(backend):
         prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
-        x = {i: pulp.LpVariable(f"x{i}", cat="Binary") for i in items}
+        make = getattr(prob, "add_variable", None)  # pulp >= 3.3; LpVariable(...) directly is deprecated there
+        x = {i: make(f"x{i}", 0, 1, cat="Binary") if make else pulp.LpVariable(f"x{i}", cat="Binary") for i in items}
         prob += pulp.lpSum(values[i] / vunit * x[i] for i in items)
         prob += pulp.lpSum(sizes[i] / capacity * x[i] for i in items) <= 1
         with warnings.catch_warnings():
