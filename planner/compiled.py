@@ -1,6 +1,14 @@
 """The plan lowered into torch.compile, judged on the compiled step's allocator peak.
 
-Lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
+Two lowerings (`lowering=`): "regions", below; "knapsack", the model compiled without regions with our
+knapsack choosing which single ops compile's partitioner may recompute, under a byte target searched
+against the measured peak (planner/knapsack.py); "best" (default) makes both for the budget and keeps the
+one that fits with the lower median of interleaved compiled steps (`timing_repeats` each), both figures in
+`plan.stats["compiled"]["lowerings"]` and the notes. Time is measured, not estimated, because the two
+lowerings' own estimates (eager node times summed over whole regions; a FLOP/bytes roofline per op) are
+not on one scale, and inductor's fusion changes what either costs.
+
+Region lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
 whole with inductor, `fullgraph=True`; dynamo turns each region into a `tag_activation_checkpoint`
 call and the AOT partitioner recomputes it in the compiled backward, fused with its neighbours.
 Selective regions lose their kept ops under compile (their position policy needs `enter_node`,
@@ -31,12 +39,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
 from .errors import InputError
 from .knapsack import KnapsackLowering, inductor_backend
-from .memory import AllocatorMeter
 from .plan import Plan
 from .solvers import InfeasibleBudgetError
-from .state import ModelState
 
 __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module",
            "interleaved_step_times", "measure_compiled_step"]
@@ -100,59 +107,6 @@ class CompiledPlanModule(torch.nn.Module):
 def compile_plan_module(module: torch.nn.Module, **compile_options: Any) -> CompiledPlanModule:
     """Wrap a plan's checkpointed module so that its training step runs compiled."""
     return CompiledPlanModule(module, **compile_options)
-
-
-def _loss(output: Any) -> torch.Tensor:
-    from .verify import default_loss
-
-    return default_loss(output)
-
-
-def _resident_bytes(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes of the unique storages of parameters, buffers and input tensors."""
-    seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
-
-
-def measure_compiled_step(
-    module: torch.nn.Module,
-    model: torch.nn.Module,
-    args: tuple,
-    kwargs: dict,
-    *,
-    device: torch.device | str = "cpu",
-    extra_bytes: int = 0,
-    loss_fn: Callable[[Any], torch.Tensor] = _loss,
-    warmup: int = 1,
-) -> int:
-    """Peak bytes of one training step of a compiled module: resident state + the allocator's peak.
-
-    Runs `warmup` steps first (the compile happens there, outside the meter); `model` keeps its
-    buffers, grads, modes and RNG (ModelState). `extra_bytes`: resident state the step does not
-    allocate (optimizer state). A meter that cannot read the allocator raises InputError.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    with ModelState(model).preserved():
-        for _ in range(warmup):
-            loss_fn(module(*args, **kwargs)).backward()
-        for p in params:
-            p.grad = None
-        resident = _resident_bytes(model, args, kwargs)
-        meter = AllocatorMeter(device)
-        if not meter.available:
-            raise InputError(f"compile: the allocator of device {device} cannot be read here (a profiler running?)")
-        with meter:
-            out = module(*args, **kwargs)
-            loss_fn(out).backward()
-            del out
-        for p in params:
-            p.grad = None
-    return int(resident + meter.peak + extra_bytes)
 
 
 @dataclasses.dataclass
@@ -464,36 +418,6 @@ class CompiledPlanner:
                 plan = kept
             out[b] = looser = plan
         return [out[int(b)] for b in budgets]
-
-
-def interleaved_step_times(modules: dict[str, torch.nn.Module], model: torch.nn.Module, args: tuple, kwargs: dict, *,
-                           loss_fn: Callable[[Any], torch.Tensor] = _loss, repeats: int = 7) -> dict[str, list[float]]:
-    """Seconds of `repeats` training steps of each module, taken in turn (order reversed every round), after one
-    warm-up step each: load on the machine hits them alike. `model` keeps its state (ModelState)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    names = list(modules)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    sync = torch.cuda.synchronize if _device_of(model).type == "cuda" else (lambda: None)
-    with ModelState(model).preserved():
-        for r in range(-1, repeats):
-            for n in (names if r % 2 == 0 else names[::-1]):
-                for p in params:
-                    p.grad = None
-                sync()
-                t0 = time.perf_counter()
-                loss_fn(modules[n](*args, **kwargs)).backward()
-                sync()
-                if r >= 0:
-                    times[n].append(time.perf_counter() - t0)
-        for p in params:
-            p.grad = None
-    return times
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],
