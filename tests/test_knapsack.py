@@ -251,3 +251,20 @@ def test_knapsack_lowered_step_fits_trains_and_matches_compiled_gradients():
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
             p.copy_(b)
+
+
+@pytest.mark.slow
+def test_best_lowering_sweep_is_monotone_and_within_budgets():
+    model = _model()
+    x = torch.randn(32, 64, 16)
+    planner = Planner(model, (x,), profile_config=FAST)
+    base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
+    fixed = planner.problem.fixed_bytes
+    budgets = [int(fixed + f * (base - fixed)) for f in (0.9, 0.6, 0.45)]
+    plans = CompiledPlanner(planner, timing_repeats=3).sweep(budgets)
+    got = [(b, p.measured_peak_bytes, p.stats["compiled"]["lowering"]) for b, p in zip(budgets, plans) if p is not None]
+    assert len(got) >= 2 and all(m <= b for b, m, _ in got), got
+    assert all(a[1] >= b[1] for a, b in zip(got, got[1:])), got
+    for p in plans:
+        if p is not None and "lowerings" in p.stats["compiled"]:
+            assert p.stats["compiled"]["lowering"] in p.stats["compiled"]["lowerings"]
