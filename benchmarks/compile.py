@@ -205,7 +205,7 @@ def report(results: dict) -> str:
              "over its budget it is planned again tighter, well under it (5 % of the activation part) looser (at most 2 "
              "tries). Lowering: 'regions' (whole checkpoint regions) or 'knapsack' (our knapsack picks the ops compile's "
              "partitioner may recompute, its byte target searched against the measured peak); 'best' builds both and "
-             "keeps the one that fits with the lower median of 7 interleaved steps. regions@/knapsack@ rows, where "
+             "keeps the one that fits with the faster step (median over 7 interleaved rounds of the ratio of the two). regions@/knapsack@ rows, where "
              "present, sweep one lowering alone.",
              "- Grad diff: max |grad - grad of compile without a budget| after one step from the same state and seed; "
              "the 'compile' row is compile's own run-to-run difference. GPT-2's config trains with dropout 0.1, so "

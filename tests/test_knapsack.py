@@ -149,14 +149,21 @@ def test_best_keeps_the_faster_lowering_and_records_both(monkeypatch, stand_in_p
     budget = fixed + 10**6
     monkeypatch.setattr(CompiledPlanner, "_plan_regions", lambda self, **kw: _fake_plan(planner, budget - 10))
     monkeypatch.setattr(CompiledPlanner, "_plan_knapsack", lambda self, b, a: _fake_plan(planner, budget - 20))
+    # Rounds: knapsack faster in two of three (paired), though its own median is not the lower one.
     monkeypatch.setattr(compiled_mod, "interleaved_step_times",
-                        lambda mods, *a, **k: {"regions": [3.0, 2.0, 2.5], "knapsack": [1.0, 1.5, 9.0]})
+                        lambda mods, *a, **k: {"regions": [0.02, 0.50, 0.03], "knapsack": [0.01, 0.40, 0.45]})
     plan = CompiledPlanner(planner, timing_repeats=3).plan(budget_bytes=budget)
     figs = plan.stats["compiled"]["lowerings"]
-    assert plan.measured_peak_bytes == budget - 20 and plan.stats["compiled"]["chosen_by"] == "interleaved step time"
-    assert figs["knapsack"]["step_s_median"] == 1.5 and figs["regions"]["step_s_median"] == 2.5
+    assert plan.measured_peak_bytes == budget - 20 and plan.stats["compiled"]["chosen_by"] == "interleaved step-time ratio"
+    assert figs["knapsack"]["step_s_median"] == 0.40 and figs["regions"]["step_s_median"] == 0.03
+    assert figs["knapsack"]["step_ratio_to_regions"]["median"] == pytest.approx(0.8)
     assert figs["regions"]["measured_peak_bytes"] == budget - 10
-    assert any(n.startswith("lowering knapsack:") and "regions 2500.0 ms" in n for n in plan.notes)
+    assert any(n.startswith("lowering knapsack: knapsack/regions step time 0.800") for n in plan.notes)
+    # Slower in two rounds of three: regions kept.
+    monkeypatch.setattr(compiled_mod, "interleaved_step_times",
+                        lambda mods, *a, **k: {"regions": [0.02, 0.50, 0.03], "knapsack": [0.03, 0.40, 0.04]})
+    plan = CompiledPlanner(planner, timing_repeats=3).plan(budget_bytes=budget)
+    assert plan.measured_peak_bytes == budget - 10 and plan.notes[-1].startswith("lowering regions:")
 
 
 def test_best_falls_back_to_the_lowering_that_fits(monkeypatch, stand_in_planner):
