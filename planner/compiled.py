@@ -155,7 +155,7 @@ class CompiledPlanner:
         self.device = _device_of(planner.model)
         self.lowering = lowering
         self.timing_repeats = timing_repeats
-        """Interleaved steps per lowering when both fit ("best"): the lower median step time wins."""
+        """Interleaved rounds when both lowerings fit ("best"): the median ratio of their step times decides."""
         self._tried: dict[tuple, _Tried] = {}
         self._knapsack: KnapsackLowering | None = None
 
