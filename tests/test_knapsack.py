@@ -275,3 +275,18 @@ def test_best_lowering_sweep_is_monotone_and_within_budgets():
     for p in plans:
         if p is not None and "lowerings" in p.stats["compiled"]:
             assert p.stats["compiled"]["lowering"] in p.stats["compiled"]["lowerings"]
+
+
+def test_benchmark_spreads_at_least_ten_budgets_over_compiles_peaks(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(root))
+    spec = importlib.util.spec_from_file_location("compile_bench", root / "compile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    peaks = [31_790_000, 28_660_000, 30_880_000, 23_920_000, 24_540_000, 24_540_000]  # two fractions tie
+    got = bench.spread_budgets(peaks, 10)
+    assert len(got) == 10 and got == sorted(set(got)) and set(peaks) <= set(got)
+    assert len(bench.spread_budgets(peaks[:2], 10)) == 10
