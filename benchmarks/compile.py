@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 def _merge(earlier: dict, new: dict) -> dict:
     """Earlier results with the newly run models replaced (by model name) or added, in SCALES order."""
     mine = {m.get("name", m["model"]): m for m in new["models"]}
-    kept = [m for m in earlier["models"] if m.get("name", m["model"]) not in mine]
+    kept = [{"date": earlier.get("date"), "command": earlier.get("command"), **m}  # older runs: the run's own
+            for m in earlier["models"] if m.get("name", m["model"]) not in mine]
     models = sorted(kept + list(mine.values()), key=lambda m: list(SCALES).index(m.get("name", m["model"]))
                     if m.get("name", m["model"]) in SCALES else len(SCALES))
     return {**new, "models": models, "merged": bool(kept),

@@ -290,3 +290,10 @@ def test_benchmark_spreads_at_least_ten_budgets_over_compiles_peaks(monkeypatch)
     got = bench.spread_budgets(peaks, 10)
     assert len(got) == 10 and got == sorted(set(got)) and set(peaks) <= set(got)
     assert len(bench.spread_budgets(peaks[:2], 10)) == 10
+    # --update: a model run again replaces its earlier results; the others stay, in the benchmark's order.
+    earlier = {"models": [{"model": "gpt2", "v": 1}, {"model": "unet", "v": 1}], "wall_s": 10.0}
+    new = {"models": [{"model": "llama", "name": "llama", "v": 2}, {"model": "gpt2", "name": "gpt2", "v": 2}],
+           "wall_s": 5.0}
+    merged = bench._merge(earlier, new)
+    assert [(m["model"], m["v"]) for m in merged["models"]] == [("gpt2", 2), ("llama", 2), ("unet", 1)]
+    assert merged["merged"] and merged["wall_s"] == 15.0
