@@ -110,6 +110,7 @@ def optimize(
     on_larger_shape: str = "error",
     partial: bool = True,
     compile: bool = False,
+    lowering: str = "best",
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -158,9 +159,13 @@ def optimize(
     progress=True shows each stage (capture, profile, solve, rewrite) and the solver's steps
     on stderr; without it they go to the "ckpt_planner" logger (planner/progress.py).
     compile=True: plan.module runs its training step under torch.compile (inductor, fullgraph) and
-    the budget is the compiled step's measured allocator peak (see planner/compiled.py).
+    the budget is the compiled step's measured allocator peak (see planner/compiled.py). lowering:
+    "regions" (whole checkpoint regions), "knapsack" (our knapsack picks the ops compile's partitioner
+    recomputes, planner/knapsack.py) or "best" (both; the faster compiled step that fits).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
+    if lowering != "best" and not compile:
+        raise InputError(f"lowering: {lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
     if compile:
         from .compiled import optimize_compiled
 
@@ -171,6 +176,7 @@ def optimize(
             dict(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
                  solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
                  on_larger_shape=on_larger_shape),
+            lowering,
         )
     solvers.get_solver(solver)  # unknown names fail before any work
     if own_checkpointing not in OWN_CHECKPOINTING:

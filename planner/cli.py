@@ -259,6 +259,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.compile and args.verify:
         raise InputError("verify: a --compile plan is measured compiled while planning (its summary shows the "
                          "measured peak); drop --verify")
+    if args.lowering != "best" and not args.compile:
+        raise InputError(f"lowering: {args.lowering!r} applies to --compile plans only; add --compile or drop --lowering")
     curve_solvers = _curve_solvers(args)
     out = _check_output(args.output, "output") if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
@@ -269,7 +271,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if args.compile:
                 from .compiled import CompiledPlanner
 
-                plan = CompiledPlanner(planner).plan(solver=args.solver, **_budget_kwargs(args))
+                plan = CompiledPlanner(planner, lowering=args.lowering).plan(solver=args.solver, **_budget_kwargs(args))
             else:
                 plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")

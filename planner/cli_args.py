@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compile", action="store_true",
                       help="plan for the step under torch.compile (inductor, fullgraph): the budget is its measured "
                            "allocator peak, re-planned tighter while over it")
+    plan.add_argument("--lowering", choices=("best", "regions", "knapsack"), default="best",
+                      help="with --compile: whole checkpoint regions, our knapsack inside compile's partitioner, "
+                           "or best (both; the faster compiled step that fits)")
     plan.add_argument("--curve-points", type=_count(0, 1000), default=8,
                       help="budgets per solver for the report's memory/overhead curve (0: none; default 8)")
     plan.add_argument("--curve-solvers", help="comma-separated solvers for that curve (default: all registered "

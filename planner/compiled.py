@@ -1,6 +1,14 @@
 """The plan lowered into torch.compile, judged on the compiled step's allocator peak.
 
-Lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
+Two lowerings (`lowering=`): "regions", below; "knapsack", the model compiled without regions with our
+knapsack choosing which single ops compile's partitioner may recompute, under a byte target searched
+against the measured peak (planner/knapsack.py); "best" (default) makes both for the budget and keeps the
+one that fits with the faster compiled step: the median, over `timing_repeats` interleaved rounds, of the
+ratio of their step times; both figures in `plan.stats["compiled"]["lowerings"]` and the notes. Time is measured, not estimated, because the two
+lowerings' own estimates (eager node times summed over whole regions; a FLOP/bytes roofline per op) are
+not on one scale, and inductor's fusion changes what either costs.
+
+Region lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
 whole with inductor, `fullgraph=True`; dynamo turns each region into a `tag_activation_checkpoint`
 call and the AOT partitioner recomputes it in the compiled backward, fused with its neighbours.
 Selective regions lose their kept ops under compile (their position policy needs `enter_node`,
@@ -23,6 +31,7 @@ with more room, so it is no slower by the planner's model) is used for it.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,13 +39,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
 from .errors import InputError
-from .memory import AllocatorMeter
+from .knapsack import KnapsackLowering, inductor_backend
 from .plan import Plan
 from .solvers import InfeasibleBudgetError
-from .state import ModelState
 
-__all__ = ["CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "measure_compiled_step"]
+__all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module",
+           "interleaved_step_times", "measure_compiled_step"]
+
+LOWERINGS = ("best", "regions", "knapsack")
+"""How a plan becomes a compiled step: whole checkpoint regions, our knapsack inside the partitioner
+(planner/knapsack.py), or both tried and the faster one that fits kept."""
 
 
 class CompiledBudgetError(InfeasibleBudgetError):
@@ -95,59 +109,6 @@ def compile_plan_module(module: torch.nn.Module, **compile_options: Any) -> Comp
     return CompiledPlanModule(module, **compile_options)
 
 
-def _loss(output: Any) -> torch.Tensor:
-    from .verify import default_loss
-
-    return default_loss(output)
-
-
-def _resident_bytes(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes of the unique storages of parameters, buffers and input tensors."""
-    seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
-
-
-def measure_compiled_step(
-    module: torch.nn.Module,
-    model: torch.nn.Module,
-    args: tuple,
-    kwargs: dict,
-    *,
-    device: torch.device | str = "cpu",
-    extra_bytes: int = 0,
-    loss_fn: Callable[[Any], torch.Tensor] = _loss,
-    warmup: int = 1,
-) -> int:
-    """Peak bytes of one training step of a compiled module: resident state + the allocator's peak.
-
-    Runs `warmup` steps first (the compile happens there, outside the meter); `model` keeps its
-    buffers, grads, modes and RNG (ModelState). `extra_bytes`: resident state the step does not
-    allocate (optimizer state). A meter that cannot read the allocator raises InputError.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    with ModelState(model).preserved():
-        for _ in range(warmup):
-            loss_fn(module(*args, **kwargs)).backward()
-        for p in params:
-            p.grad = None
-        resident = _resident_bytes(model, args, kwargs)
-        meter = AllocatorMeter(device)
-        if not meter.available:
-            raise InputError(f"compile: the allocator of device {device} cannot be read here (a profiler running?)")
-        with meter:
-            out = module(*args, **kwargs)
-            loss_fn(out).backward()
-            del out
-        for p in params:
-            p.grad = None
-    return int(resident + meter.peak + extra_bytes)
-
-
 @dataclasses.dataclass
 class _Tried:
     module: CompiledPlanModule
@@ -164,9 +125,16 @@ class CompiledPlanner:
     """
 
     def __init__(self, planner: Any, *, max_replans: int = 3, max_loosen: int = 2, slack: float = 0.05, loss_fn: Callable[[Any], torch.Tensor] = _loss,
-                 compile_options: dict[str, Any] | None = None) -> None:
+                 compile_options: dict[str, Any] | None = None, lowering: str = "best", timing_repeats: int = 7) -> None:
         if max_replans < 0:
             raise InputError(f"max_replans: {max_replans} must be >= 0")
+        if lowering not in LOWERINGS:
+            raise InputError(f"lowering: {lowering!r} is not one of {', '.join(LOWERINGS)}")
+        if timing_repeats < 1:
+            raise InputError(f"timing_repeats: {timing_repeats} must be >= 1")
+        if lowering == "knapsack" and {"backend", "mode"} & set(compile_options or {}):
+            raise InputError("lowering 'knapsack' compiles with inductor and our solver: drop compile_options "
+                             "backend/mode, or use lowering='regions'")
         cap = planner.capture
         if getattr(planner.cost, "meta", False) or any(
             t.is_meta for t in pytree.tree_leaves((cap.args, cap.kwargs)) if isinstance(t, torch.Tensor)
@@ -185,7 +153,11 @@ class CompiledPlanner:
         self.loss_fn = loss_fn
         self.compile_options = dict(compile_options or {})
         self.device = _device_of(planner.model)
+        self.lowering = lowering
+        self.timing_repeats = timing_repeats
+        """Interleaved rounds when both lowerings fit ("best"): the median ratio of their step times decides."""
         self._tried: dict[tuple, _Tried] = {}
+        self._knapsack: KnapsackLowering | None = None
 
     @property
     def extra_bytes(self) -> int:
@@ -207,7 +179,123 @@ class CompiledPlanner:
 
     def plan(self, *, budget_gb: float | None = None, budget_bytes: int | None = None,
              activation_budget: float | None = None, **plan_args: Any) -> Plan:
-        """A compiled plan whose measured peak is within the budget (see `Planner.plan` for the arguments)."""
+        """A compiled plan whose measured peak is within the budget (see `Planner.plan` for the arguments),
+        lowered as `self.lowering` says; "best" lowers it both ways and keeps the faster one that fits."""
+        budgets = dict(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget)
+        knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
+        if self.lowering == "regions" or (self.lowering == "best" and not knapsack_ok):
+            return self._plan_regions(**budgets, **plan_args)
+        budget = self._budget_bytes(**budgets)
+        if self.lowering == "knapsack":
+            return self._plan_knapsack(budget, plan_args)
+        if budget is None:  # no budget: the knee plan; the knapsack's own loosest point has no budget to meet
+            return self._plan_regions(**budgets, **plan_args)
+        got: dict[str, Plan] = {}
+        errors: dict[str, CompiledBudgetError] = {}
+        for name, make in (("regions", lambda: self._plan_regions(**budgets, **plan_args)),
+                           ("knapsack", lambda: self._plan_knapsack(budget, plan_args))):
+            try:
+                got[name] = make()
+            except CompiledBudgetError as e:
+                errors[name] = e
+        if not got:
+            raise min(errors.values(), key=lambda e: e.smallest_bytes)
+        return self._choose(got, errors)
+
+    def _budget_bytes(self, *, budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
+        from .api import _check_budget_args
+
+        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        if activation_budget is not None:
+            fixed = self.planner.problem.fixed_bytes
+            budget = int(fixed + activation_budget * (self.planner.baseline_peak_bytes - fixed))
+        return budget
+
+    def _choose(self, got: dict[str, Plan], errors: dict[str, CompiledBudgetError]) -> Plan:
+        """The faster of the lowerings that fit, by the median over interleaved rounds of the ratio of their step
+        times: a round runs both back to back, so load on the machine that hits the round hits both (on a shared
+        CPU a step takes either its own time or many times it, and a median per lowering can fall in either)."""
+        figures: dict[str, dict[str, Any]] = {
+            name: {"fits": False, "least_measured_peak_bytes": e.smallest_bytes} for name, e in errors.items()}
+        for name, p in got.items():
+            figures[name] = {"fits": True, "measured_peak_bytes": p.measured_peak_bytes}
+        if len(got) == 1:
+            (name, chosen), = got.items()
+            other = next(iter(errors))
+            note = (f"lowering {name}: the {other} lowering measured over the budget "
+                    f"(least {errors[other].smallest_bytes / 1e6:.3f} MB)")
+        else:
+            cap = self.planner.capture
+            times = interleaved_step_times({n: p.module for n, p in got.items()}, self.planner.model, cap.args,
+                                           cap.kwargs, loss_fn=self.loss_fn, repeats=self.timing_repeats)
+            for n, ts in times.items():
+                q = _quartiles(ts)
+                figures[n].update(step_s_median=q[1], step_s_iqr=[q[0], q[2]], step_times_s=ts)
+            a, b = got  # regions, knapsack
+            ratio = _quartiles([x / y for x, y in zip(times[b], times[a])])
+            name, other = (b, a) if ratio[1] < 1 else (a, b)
+            chosen = got[name]
+            figures[b]["step_ratio_to_" + a] = {"median": ratio[1], "iqr": [ratio[0], ratio[2]]}
+            f, g = figures[name], figures[other]
+            note = (f"lowering {name}: {b}/{a} step time {ratio[1]:.3f} (median of {self.timing_repeats} interleaved "
+                    f"rounds, IQR {ratio[0]:.3f}-{ratio[2]:.3f}); {name} {f['step_s_median'] * 1e3:.1f} ms median, "
+                    f"{other} {g['step_s_median'] * 1e3:.1f} ms at {g['measured_peak_bytes'] / 1e6:.3f} MB")
+        chosen.stats["compiled"]["lowerings"] = figures
+        chosen.stats["compiled"]["chosen_by"] = "interleaved step-time ratio" if len(got) > 1 else "only one fits"
+        chosen.notes = tuple(chosen.notes) + (note,)
+        return chosen
+
+    def _plan_knapsack(self, budget: int | None, plan_args: dict[str, Any]) -> Plan:
+        """Our knapsack inside the partitioner, its byte target searched until the measured peak fits."""
+        fixed = self.planner.problem.fixed_bytes
+        lowering = self._knapsack_lowering(plan_args)
+        best, log = lowering.fit(budget if budget is not None else 2**62, fixed)
+        if best is None:
+            least = min(t.measured for t in lowering.tries.values())
+            raise CompiledBudgetError(budget, least, "knapsack", fixed + self.extra_bytes, len(log))
+        base = self._base_plan(plan_args)
+        base.notes = tuple(n for n in base.notes if "no-op plan" not in n)  # the eager plan's, not this one's
+        n = len(lowering.candidates or ())
+        kept = lowering.choice(best.target_bytes) or frozenset()
+        info = {"target_bytes": best.target_bytes, "candidates": n, "kept_saved": len(kept),
+                "saved_bytes": best.saved_bytes, "candidate_bytes": lowering.total_bytes,
+                "estimated_recompute_s": best.recompute_s}
+        tries = [{**t, "planned_for_bytes": t["target_bytes"]} for t in log]
+        return self._finish(base, _Tried(best.module, best.measured, best.compile_s), tries, budget,
+                            lowering="knapsack", knapsack=info)
+
+    def _base_plan(self, plan_args: dict[str, Any]) -> Plan:
+        """The model's step with no regions (its own fresh module: dynamo caches per code object)."""
+        planner = self.planner
+        args = {k: v for k, v in plan_args.items() if k in ("on_larger_shape", "solver")}
+        base = planner.plan(budget_bytes=planner.no_checkpoint_peak_bytes, **args)
+        if base.regions:
+            raise InputError("lowering 'knapsack': the step with no checkpoint regions did not plan empty; "
+                             "use lowering='regions'")
+        return base
+
+    def _knapsack_lowering(self, plan_args: dict[str, Any]) -> KnapsackLowering:
+        if self._knapsack is None:
+            cap = self.planner.capture
+            options = self.compile_options.get("options")
+            rest = {k: v for k, v in self.compile_options.items() if k != "options"}
+
+            def compile_measure(solver):
+                module = self._base_plan(plan_args).module
+                t0 = time.perf_counter()
+                compiled = compile_plan_module(module, backend=inductor_backend(solver, options), **rest)
+                measured = measure_compiled_step(compiled, self.planner.model, cap.args, cap.kwargs, device=self.device,
+                                                 extra_bytes=self.extra_bytes, loss_fn=self.loss_fn)
+                return compiled, measured, time.perf_counter() - t0
+
+            config = self.planner._settings.get("profile_config")
+            self._knapsack = KnapsackLowering(compile_measure, config=config,
+                                              max_tries=self.max_replans + self.max_loosen, slack=self.slack)
+        return self._knapsack
+
+    def _plan_regions(self, *, budget_gb: float | None = None, budget_bytes: int | None = None,
+                      activation_budget: float | None = None, **plan_args: Any) -> Plan:
+        """Whole checkpoint regions compiled; re-planned tighter while over the budget, looser well under it."""
         planner = self.planner
         try:
             first = planner.plan(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget,
@@ -280,20 +368,29 @@ class CompiledPlanner:
                 plan, tried = other, t
         return plan, tried
 
-    def _finish(self, plan: Plan, tried: _Tried, tries: list[dict], budget: int | None) -> Plan:
+    def _finish(self, plan: Plan, tried: _Tried, tries: list[dict], budget: int | None, *, lowering: str = "regions",
+                knapsack: dict[str, Any] | None = None) -> Plan:
         out = dataclasses.replace(plan, budget_bytes=budget if budget is not None else plan.budget_bytes)
         out.module = tried.module
         out.problem = plan.problem
         out.measured_peak_bytes = tried.measured
         out.stats = {**plan.stats, "compiled": {
-            "backend": self.compile_options.get("backend", "inductor"), "fullgraph": True,
+            "backend": self.compile_options.get("backend", "inductor"), "fullgraph": True, "lowering": lowering,
             "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": tried.measured,
             "compile_and_measure_s": round(tried.compile_s, 3), "tries": tries,
             "replans": sum(1 for t in tries[1:] if not t.get("looser")),
             "loosened": sum(1 for t in tries if t.get("looser")),
+            **({"knapsack": knapsack} if knapsack else {}),
         }}
-        notes = [f"compiled (inductor, fullgraph): measured peak {tried.measured / 1e6:.3f} MB against "
-                 f"{plan.predicted_peak_bytes / 1e6:.3f} MB predicted for the eager plan"]
+        if knapsack:
+            notes = [f"compiled (inductor, fullgraph), knapsack lowering: measured peak {tried.measured / 1e6:.3f} MB; "
+                     f"the partitioner may recompute {knapsack['candidates'] - knapsack['kept_saved']} of "
+                     f"{knapsack['candidates']} candidate ops (our knapsack keeps {knapsack['saved_bytes'] / 1e6:.3f} of "
+                     f"{knapsack['candidate_bytes'] / 1e6:.3f} MB saved, estimated recompute "
+                     f"{knapsack['estimated_recompute_s'] * 1e3:.2f} ms)"]
+        else:
+            notes = [f"compiled (inductor, fullgraph), regions lowering: measured peak {tried.measured / 1e6:.3f} MB "
+                     f"against {plan.predicted_peak_bytes / 1e6:.3f} MB predicted for the eager plan"]
         if any(not t.get("looser") for t in tries[1:]):
             notes.append(f"re-planned {len(tries) - 1}x at tighter budgets: the compiled step measured over the budget")
         if plan.saved_indices():
@@ -326,13 +423,16 @@ class CompiledPlanner:
         return [out[int(b)] for b in budgets]
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
 
 
-def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any]) -> Plan:
+def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],
+                      lowering: str = "best") -> Plan:
     """optimize(..., compile=True): one whole graph planned, compiled, measured and re-planned to fit."""
     from .api import Planner
     from .errors import CaptureError
@@ -340,6 +440,8 @@ def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, A
     if planner_args.get("world_size", 1) != 1:
         raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
                          "drop compile=True or plan one rank with world_size=1")
+    if lowering not in LOWERINGS:
+        raise InputError(f"lowering: {lowering!r} is not one of {', '.join(LOWERINGS)}")
     device = planner_args.get("device")
     if device is not None and torch.device(device).type == "meta":
         raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
@@ -349,4 +451,4 @@ def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, A
     except CaptureError as e:
         raise InputError(f"compile: torch.compile(fullgraph=True) needs the whole model as one graph, and it "
                          f"could not be captured ({str(e).splitlines()[0]}); drop compile=True to plan it in parts") from e
-    return CompiledPlanner(planner).plan(**plan_args)
+    return CompiledPlanner(planner, lowering=lowering).plan(**plan_args)

@@ -50,7 +50,7 @@ def setup():
     planner = Planner(model, (x,), profile_config=FAST)
     base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
     fixed = planner.problem.fixed_bytes
-    return model, x, planner, CompiledPlanner(planner), base, fixed
+    return model, x, planner, CompiledPlanner(planner, lowering="regions"), base, fixed
 
 
 def _grads(module, model, x):
@@ -136,7 +136,7 @@ def test_over_budget_plan_is_replanned_tighter_until_it_fits(stand_in):
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
     budget = int(fixed + 0.7 * (base - fixed))
     scale[0] = 1.15  # the compiled step measures 15 % over the eager prediction
-    plan = CompiledPlanner(planner).plan(budget_bytes=budget)
+    plan = CompiledPlanner(planner, lowering="regions").plan(budget_bytes=budget)
     tries = plan.stats["compiled"]["tries"]
     assert plan.measured_peak_bytes <= budget and plan.budget_bytes == budget
     assert len(tries) >= 2 and tries[0]["measured_peak_bytes"] > budget
@@ -150,7 +150,7 @@ def test_plan_well_under_budget_compiled_is_replanned_looser_while_it_fits(stand
     budget = int(fixed + 0.5 * (base - fixed))
     eager = planner.plan(budget_bytes=budget)
     scale[0] = 0.8  # the compiled step measures 20 % under the eager prediction
-    plan = CompiledPlanner(planner).plan(budget_bytes=budget)
+    plan = CompiledPlanner(planner, lowering="regions").plan(budget_bytes=budget)
     looser = [t for t in plan.stats["compiled"]["tries"] if t.get("looser")]
     assert looser and plan.stats["compiled"]["loosened"] == len(looser), plan.stats["compiled"]["tries"]
     assert plan.measured_peak_bytes <= budget
@@ -163,7 +163,7 @@ def test_budget_never_met_compiled_raises_one_clear_line(stand_in):
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
     scale[0] = 3.0
     with pytest.raises(CompiledBudgetError) as info:
-        CompiledPlanner(planner, max_replans=2).plan(budget_bytes=int(fixed + 0.5 * (base - fixed)))
+        CompiledPlanner(planner, max_replans=2, lowering="regions").plan(budget_bytes=int(fixed + 0.5 * (base - fixed)))
     msg = str(info.value)
     assert isinstance(info.value, InfeasibleBudgetError) and "\n" not in msg
     assert "under torch.compile" in msg and "raise the budget" in msg
@@ -174,7 +174,7 @@ def test_sweep_gives_a_tighter_budget_the_looser_plan_when_it_measures_lower(mon
     planner, _ = stand_in
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
     budgets = [int(fixed + f * (base - fixed)) for f in (0.9, 0.7, 0.5)]
-    cp = CompiledPlanner(planner)
+    cp = CompiledPlanner(planner, lowering="regions")
     real = CompiledPlanner.plan
     low = fixed + 1
 
@@ -228,7 +228,7 @@ def test_cli_compile_plans_and_records_the_measured_peak(tmp_path, scale, capsys
     scale[0] = 1.1
     out = tmp_path / "plan.json"
     code = main(["plan", f"{tmp_path}/f.py:make", "--compile", "--activation-budget", "0.85", "--curve-points", "0",
-                 "--quiet", "-o", str(out)])
+                 "--lowering", "regions", "--quiet", "-o", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads(out.read_text())
     c = data["stats"]["compiled"]
