@@ -41,11 +41,11 @@ from torch.utils import _pytree as pytree
 
 from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
 from .errors import InputError
-from .knapsack import KnapsackLowering, inductor_backend
+from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend
 from .plan import Plan
 from .solvers import InfeasibleBudgetError
 
-__all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module",
+__all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "compile_saved_plan",
            "interleaved_step_times", "measure_compiled_step"]
 
 LOWERINGS = ("best", "regions", "knapsack")
@@ -259,7 +259,8 @@ class CompiledPlanner:
         kept = lowering.choice(best.target_bytes) or frozenset()
         info = {"target_bytes": best.target_bytes, "candidates": n, "kept_saved": len(kept),
                 "saved_bytes": best.saved_bytes, "candidate_bytes": lowering.total_bytes,
-                "estimated_recompute_s": best.recompute_s}
+                "estimated_recompute_s": best.recompute_s,
+                "peak_flops": lowering.config.peak_flops, "bandwidth": lowering.config.bandwidth}  # its cost model
         tries = [{**t, "planned_for_bytes": t["target_bytes"]} for t in log]
         return self._finish(base, _Tried(best.module, best.measured, best.compile_s), tries, budget,
                             lowering="knapsack", knapsack=info)
@@ -421,6 +422,31 @@ class CompiledPlanner:
                 plan = kept
             out[b] = looser = plan
         return [out[int(b)] for b in budgets]
+
+
+def compile_saved_plan(model: torch.nn.Module, plan: Plan, example_inputs: Any = None,
+                       **compile_options: Any) -> CompiledPlanModule:
+    """The training step of a compiled plan (one loaded from a file, say) compiled as it was planned:
+    its checkpoint regions (regions lowering), or the model without regions with our knapsack at the
+    plan's byte target inside the partitioner (knapsack lowering; the same graph gives the same choice).
+    `model`: a fresh instance of the planned model; `example_inputs` as for `plan.rebuild`."""
+    compiled = plan.stats.get("compiled")
+    if not isinstance(compiled, dict):
+        raise InputError("compile_saved_plan: the plan was not made with compile=True; use plan.rebuild(model) "
+                         "(and torch.compile the module it returns)")
+    module = plan._rebuild(model, example_inputs)
+    if compiled.get("lowering") != "knapsack":
+        return compile_plan_module(module, **compile_options)
+    info = compiled.get("knapsack") or {}
+    if "target_bytes" not in info:
+        raise InputError("compile_saved_plan: the plan's stats.compiled.knapsack has no target_bytes; re-plan "
+                         "with optimize(..., compile=True)")
+    from .profile import ProfileConfig
+
+    config = ProfileConfig(peak_flops=info.get("peak_flops"), bandwidth=info.get("bandwidth"))
+    solver = KnapsackSolver(int(info["target_bytes"]), config=config)
+    options = compile_options.pop("options", None)
+    return compile_plan_module(module, backend=inductor_backend(solver, options), **compile_options)
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:

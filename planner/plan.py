@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .errors import PlanFileError, PlanMismatchError
+from .errors import InputError, PlanFileError, PlanMismatchError
 
 __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
 
@@ -190,9 +190,14 @@ class Plan:
             ("recomputed regions", f"{len(self.regions)} ({sum(1 for r in self.regions if r.depth) } nested, "
              f"{sum(1 for r in self.regions if r.saved_ops)} selective, {len(self.saved_indices())} ops kept)"),
         ]
+        compiled = self.stats.get("compiled") if isinstance(self.stats.get("compiled"), dict) else None
+        if compiled and self.measured_peak_bytes:
+            from .compiled_measure import summary_rows
+
+            rows[4:] = summary_rows(self, compiled)
         if self.stats.get("own_checkpointing"):
             rows.insert(4, ("model's own checkpointing", f"{self.stats['own_checkpointing']} (savings are against the model as given)"))
-        if self.eager_step_s > 0:
+        if self.eager_step_s > 0 and not (compiled and compiled.get("lowering") == "knapsack"):
             rows.append(
                 (
                     "predicted step time",
@@ -346,6 +351,10 @@ class Plan:
         or, for a plan loaded from a file, when its predicted figures differ from a re-simulation of
         its regions on this model (see `check_figures`).
         """
+        self._refuse_knapsack("rebuild")
+        return self._rebuild(model, example_inputs)
+
+    def _rebuild(self, model: torch.nn.Module, example_inputs: Any) -> torch.nn.Module:
         from .rewrite import rewrite
 
         cap = self._matching_capture(model, example_inputs)
@@ -357,6 +366,15 @@ class Plan:
         guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
         object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
         return self.module
+
+    def _refuse_knapsack(self, what: str) -> None:
+        """A knapsack-lowered compiled plan has no regions: its saving lives in the compiled partitioner."""
+        compiled = self.stats.get("compiled")
+        if isinstance(compiled, dict) and compiled.get("lowering") == "knapsack":
+            raise InputError(
+                f"{what}: this plan's saving is a choice inside torch.compile's partitioner (knapsack lowering), "
+                "not checkpoint regions; compile the model with ckpt_planner.compiled.compile_saved_plan(model, plan)"
+            )
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
         """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
@@ -441,6 +459,7 @@ class Plan:
         """
         from .apply import apply_plan
 
+        self._refuse_knapsack("apply")
         if self.problem is None and example_inputs is not None:
             self.problem = self.check_figures(model, self._matching_capture(model, example_inputs))
         return apply_plan(self, model, allow_over_budget=allow_over_budget)

@@ -9,9 +9,15 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import InputError, Planner, ProfileConfig, optimize
+from ckpt_planner import InputError, Plan, Planner, ProfileConfig, optimize
 from ckpt_planner import compiled as compiled_mod
-from ckpt_planner.compiled import CompiledBudgetError, CompiledPlanModule, CompiledPlanner, measure_compiled_step
+from ckpt_planner.compiled import (
+    CompiledBudgetError,
+    CompiledPlanModule,
+    CompiledPlanner,
+    compile_saved_plan,
+    measure_compiled_step,
+)
 from ckpt_planner.knapsack import (
     KnapsackCall,
     KnapsackLowering,
@@ -258,6 +264,32 @@ def test_knapsack_lowered_step_fits_trains_and_matches_compiled_gradients():
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
             p.copy_(b)
+
+
+def test_saved_knapsack_plan_compiles_again_and_is_not_applied_as_regions(tmp_path):
+    """A knapsack plan has no regions: its file must not apply (or rebuild) as a silent no-op; compiled again
+    from the file, the same graph gets the same choice and the same measured peak."""
+    model = _model()
+    x = torch.randn(32, 64, 16)
+    planner = Planner(model, (x,), profile_config=FAST)
+    base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
+    fixed = planner.problem.fixed_bytes
+    budget = int(fixed + 0.6 * (base - fixed))
+    plan = CompiledPlanner(planner, lowering="knapsack").plan(budget_bytes=budget)
+    text = plan.summary()
+    assert "compiled (knapsack lowering)" in text and "memory saved" in text
+    assert "no regions: the partitioner may recompute" in text
+    loaded = Plan.load(plan.save(tmp_path / "knapsack.json"))
+    assert loaded.stats["compiled"]["knapsack"]["target_bytes"] == plan.stats["compiled"]["knapsack"]["target_bytes"]
+    fresh = _model()
+    for call in (lambda: loaded.apply(fresh), lambda: loaded.rebuild(fresh, (x,))):
+        with pytest.raises(InputError, match="compile_saved_plan"):
+            call()
+    again = compile_saved_plan(fresh, loaded, (x,))
+    assert isinstance(again, CompiledPlanModule)
+    assert measure_compiled_step(again, fresh, (x,), {}) == plan.measured_peak_bytes
+    with pytest.raises(InputError, match="compile=True"):
+        compile_saved_plan(fresh, planner.plan(activation_budget=0.5))
 
 
 @pytest.mark.slow
