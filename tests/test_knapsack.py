@@ -224,12 +224,17 @@ def _dynamo_clean():
     torch._dynamo.reset()
 
 
-def test_knapsack_lowered_step_fits_trains_and_matches_compiled_gradients():
+def _compiled_case():
+    """The model, its input, its planner, the peak of its step compiled without a budget, its fixed bytes."""
     model = _model()
     x = torch.randn(32, 64, 16)
     planner = Planner(model, (x,), profile_config=FAST)
     base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
-    fixed = planner.problem.fixed_bytes
+    return model, x, planner, base, planner.problem.fixed_bytes
+
+
+def test_knapsack_lowered_step_fits_trains_and_matches_compiled_gradients(tmp_path):
+    model, x, planner, base, fixed = _compiled_case()
     budget = int(fixed + 0.6 * (base - fixed))
     plan = CompiledPlanner(planner, lowering="knapsack").plan(budget_bytes=budget)
     c = plan.stats["compiled"]
@@ -265,17 +270,8 @@ def test_knapsack_lowered_step_fits_trains_and_matches_compiled_gradients():
         for p, b in zip(model.parameters(), before):
             p.copy_(b)
 
-
-def test_saved_knapsack_plan_compiles_again_and_is_not_applied_as_regions(tmp_path):
-    """A knapsack plan has no regions: its file must not apply (or rebuild) as a silent no-op; compiled again
-    from the file, the same graph gets the same choice and the same measured peak."""
-    model = _model()
-    x = torch.randn(32, 64, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
-    base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
-    fixed = planner.problem.fixed_bytes
-    budget = int(fixed + 0.6 * (base - fixed))
-    plan = CompiledPlanner(planner, lowering="knapsack").plan(budget_bytes=budget)
+    # Its file has no regions: apply and rebuild refuse it rather than return an unchanged model; compiled
+    # again from the file, the same graph gets the same choice and the same measured peak.
     text = plan.summary()
     assert "compiled (knapsack lowering)" in text and "memory saved" in text
     assert "no regions: the partitioner may recompute" in text
@@ -294,11 +290,7 @@ def test_saved_knapsack_plan_compiles_again_and_is_not_applied_as_regions(tmp_pa
 
 @pytest.mark.slow
 def test_best_lowering_sweep_is_monotone_and_within_budgets():
-    model = _model()
-    x = torch.randn(32, 64, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
-    base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
-    fixed = planner.problem.fixed_bytes
+    model, x, planner, base, fixed = _compiled_case()
     budgets = [int(fixed + f * (base - fixed)) for f in (0.9, 0.6, 0.45)]
     plans = CompiledPlanner(planner, timing_repeats=3).sweep(budgets)
     got = [(b, p.measured_peak_bytes, p.stats["compiled"]["lowering"]) for b, p in zip(budgets, plans) if p is not None]
