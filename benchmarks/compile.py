@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckpt_planner import Planner  # noqa: E402
-from ckpt_planner.compiled import CompiledPlanner, measure_compiled_step  # noqa: E402
+from ckpt_planner.compiled import CompiledPlanner, _quartiles, measure_compiled_step  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
 
@@ -81,13 +80,6 @@ def spread_budgets(peaks: list[int], n: int) -> list[int]:
             break
         budgets = sorted(set(budgets + [(a + b) // 2]))
     return budgets
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]
 
 
 def run_model(name: str, fractions, repeats: int, log, *, n_budgets: int = 10, lowerings=("best",)) -> dict:

@@ -17,6 +17,8 @@ from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConf
 from ckpt_planner import compiled as compiled_mod
 from ckpt_planner.compiled import CompiledBudgetError, CompiledPlanModule, CompiledPlanner, measure_compiled_step
 
+from tests.compiled_checks import assert_trains, step_grads
+
 FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # inductor fuses and reorders float math differently per graph
 
@@ -53,16 +55,6 @@ def setup():
     return model, x, planner, CompiledPlanner(planner, lowering="regions"), base, fixed
 
 
-def _grads(module, model, x):
-    for p in model.parameters():
-        p.grad = None
-    module(x).square().mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = None
-    return grads
-
-
 def test_compiled_plan_fits_its_budget_trains_and_matches_compiled_gradients(setup):
     model, x, planner, cp, base, fixed = setup
     budget = int(fixed + 0.6 * (base - fixed))
@@ -78,26 +70,13 @@ def test_compiled_plan_fits_its_budget_trains_and_matches_compiled_gradients(set
     # Gradients: those of the compiled step without checkpointing, up to inductor's reordering.
     counters = torch._dynamo.utils.counters
     breaks = sum(counters["graph_break"].values())
-    ref = _grads(torch.compile(model, fullgraph=True), model, x)
-    got = _grads(plan.module, model, x)
+    ref = step_grads(torch.compile(model, fullgraph=True), model, x)
+    got = step_grads(plan.module, model, x)
     assert sum(counters["graph_break"].values()) == breaks
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, **TOL)
     # It trains: an optimizer made on the model's parameters steps them through the compiled module.
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
-    losses = []
-    for _ in range(3):
-        opt.zero_grad(set_to_none=True)
-        loss = plan.module(x).square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    with torch.no_grad():
-        for p, b in zip(model.parameters(), before):
-            p.copy_(b)
+    assert_trains(plan.module, model, x)
 
 
 @pytest.mark.slow
