@@ -42,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +61,7 @@ from ckpt_planner.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
 from ckpt_planner.rewrite import rewrite  # noqa: E402
 from ckpt_planner.timing import with_step_times  # noqa: E402
+from ckpt_planner.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
 from tradeoff_batch import largest_batches  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
@@ -182,13 +184,10 @@ def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: f
 
 
 def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (0.5, 0.75)) -> dict:
-    """A second capture and profile from scratch, solved at the same budget (the first of `fractions` of
-    the activations the first profile can meet): is the plan the same?"""
-    cap = capture(case.model, case.inputs)
-    cost = profile(cap, ProfileConfig())
-    again = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs).to_problem(name=case.name)
-    for p in case.model.parameters():
-        p.grad = None
+    """A second capture and profile, solved at the same budget (the first of `fractions` of the
+    activations the first profile can meet): is the plan the same? Done twice: as optimize() does it,
+    reading the device's timing store the first profile filled, and from scratch with the store off
+    (every figure timed again), which shows what the store holds still."""
     base = solvers.simulate(problem, ()).peak_bytes
     fraction = fractions[-1]
     for f in fractions:
@@ -199,23 +198,38 @@ def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (
         fraction = f
         break
     budget = int(problem.fixed_bytes + fraction * (base - problem.fixed_bytes))
-    plans = []
-    for prob in (problem, again):
+
+    def plan_of(prob):
         try:
             sol = solvers.solve(prob, budget, solver)
-            plans.append((tuple(map(tuple, sol.regions)), tuple(sol.saved)))
+            return (tuple(map(tuple, sol.regions)), tuple(sol.saved))
         except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
-            plans.append(("error", str(e)[:120]))
-    times_equal = sum(a.time == b.time for a, b in zip(problem.nodes, again.nodes))
-    gap = None
-    if plans[0][0] != "error" and plans[1][0] != "error":
-        # Both plans priced on the first profile: a difference between near-equal plans, or a worse one?
-        first = solvers.simulate(problem, plans[0][0], saved=plans[0][1]).recompute_time
-        second = solvers.simulate(problem, plans[1][0], saved=plans[1][1]).recompute_time
-        gap = (second - first) / problem.base_step_s if problem.base_step_s > 0 else None
-    return {"solver": solver, "activation_budget": fraction, "same_plan": plans[0] == plans[1],
-            "regions": [len(p[0]) if p[0] != "error" else None for p in plans],
-            "node_times_equal": f"{times_equal} of {problem.n}", "step_gap": gap}
+            return ("error", str(e)[:120])
+
+    first = plan_of(problem)
+    out = {"solver": solver, "activation_budget": fraction}
+    for label, stored in (("store", True), ("scratch", False)):
+        cap = capture(case.model, case.inputs)
+        cost = profile(cap, ProfileConfig(timing_store=stored))
+        again = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs, timing_store=stored)
+        again = again.to_problem(name=case.name)
+        for p in case.model.parameters():
+            p.grad = None
+        second = plan_of(again)
+        times_equal = sum(a.time == b.time for a, b in zip(problem.nodes, again.nodes))
+        gap = None
+        if first[0] != "error" and second[0] != "error" and problem.base_step_s > 0:
+            # Both plans priced on the first profile: a difference between near-equal plans, or a worse one?
+            t1 = solvers.simulate(problem, first[0], saved=first[1]).recompute_time
+            t2 = solvers.simulate(problem, second[0], saved=second[1]).recompute_time
+            gap = (t2 - t1) / problem.base_step_s
+        result = {"same_plan": first == second, "regions": [len(p[0]) if p[0] != "error" else None for p in (first, second)],
+                  "node_times_equal": f"{times_equal} of {problem.n}", "step_gap": gap}
+        if label == "store":
+            out.update(result)
+        else:
+            out["from_scratch"] = result
+    return out
 
 
 def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: dict | None = None) -> list[Contender]:
@@ -374,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-models", default="gpt2,llama",
                     help="models that get the largest-batch search ('' skips it)")
     ap.add_argument("--batch-solvers", default="auto,selective", help="our solvers in the largest-batch search")
+    ap.add_argument("--timings", default=None,
+                    help="the timing store's folder (default: a new empty one, so that this run times every "
+                         "figure itself; 'off' turns the store off)")
     a = ap.parse_args(argv)
+    store_folder = a.timings or tempfile.mkdtemp(prefix="ckpt-planner-timings-")
+    os.environ[STORE_ENV] = store_folder
     device = torch.device(a.device)
     names = [m for m in a.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
@@ -405,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": torch.get_num_threads(), "solvers_registered": sorted(solvers.SOLVERS),
             "solvers_run": solver_names, "our_activation_budgets": list(OUR_BUDGETS),
             "compile_budgets": compile_budgets, "repeats": a.repeats, "warmup": a.warmup, "note": a.note,
+            "timing_store": "off" if store_folder == "off" else ("given" if a.timings else "new, empty"),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "memory_meter": "CUDA max_memory_allocated" if device.type == "cuda"
             else "CPU allocator events (torch.profiler profile_memory) + resident parameters/buffers/inputs",

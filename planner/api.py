@@ -285,7 +285,10 @@ class Planner:
                 self.cost.time_source,
             )
             if config.overheads:
-                self.cost = with_step_times(self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs)
+                self.cost = with_step_times(
+                    self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs,
+                    timing_store=config.timing_store,
+                )
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,

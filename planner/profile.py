@@ -81,6 +81,10 @@ class ProfileConfig:
     """Replace measured times by one model fitted to them (timing.anchor_times): plans repeat run to run."""
     overheads: bool = True
     """Measure the cost of a checkpoint call and of selective-policy dispatch on the device."""
+    timing_store: bool = True
+    """Keep fitted times in the device's timing store and take them from it when it has them, so that
+    the same model plans the same on every run (planner.timing_store; `CKPT_PLANNER_TIMINGS=off` turns
+    it off everywhere). False: measure afresh and store nothing."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -201,7 +205,10 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
         else:
             cost = _profile_real(gm, flat, config, dev)
             cached, ops = try_policy_costs(gm, flat)
-        return finish_profile(cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops)
+        return finish_profile(
+            cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops,
+            timing_store=config.timing_store,
+        )
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:

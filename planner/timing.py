@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .graph import CostGraph
+from .timing_store import TimingStore, open_store, signature
 
 __all__ = [
     "robust_times",
@@ -62,19 +63,30 @@ def robust_times(samples: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def anchor_times(cost: CostGraph) -> CostGraph:
+def op_key(cost: CostGraph, n) -> str:
+    """What a node's time is taken to depend on: the op, its FLOPs, the bytes it makes and reads, the dtype."""
+    reads = ",".join(str(b) for b in sorted(cost.storages[t].nbytes for t in n.reads))
+    return f"{n.kind or n.target}|{n.dtype}|{n.flops:.0f}|{n.out_bytes}|{reads}"
+
+
+def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph:
     """Each node's time: the median over the nodes that run the same op on the same sizes (the layers
-    of a model repeat them), rounded to the time grid. See the module docstring."""
+    of a model repeat them), rounded to the time grid. See the module docstring.
+
+    `store`: the device's timing store (planner.timing_store); a key it holds takes the stored time,
+    a key it lacks is stored with this run's."""
     nodes = cost.nodes
     if not nodes or cost.time_source != "measured":
         return cost
-    groups: dict[tuple, list[float]] = {}
+    groups: dict[str, list[float]] = {}
     keys = []
     for n in nodes:
-        key = (n.kind or n.target, n.flops, n.out_bytes, tuple(sorted(cost.storages[t].nbytes for t in n.reads)))
+        key = op_key(cost, n)
         keys.append(key)
         groups.setdefault(key, []).append(n.time)
     typical = {key: quantize(statistics.median(ts)) for key, ts in groups.items()}
+    if store is not None:
+        typical = {key: float(store.put("ops", key, t)) for key, t in typical.items()}
     fitted = tuple(replace(n, time=typical[key]) for n, key in zip(nodes, keys))
     return replace(cost, nodes=fitted, time_source="fitted")
 
@@ -197,7 +209,8 @@ def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
 
 
 def with_step_times(
-    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, *, calibrate: bool = True
+    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, *, calibrate: bool = True,
+    timing_store: bool = True,
 ) -> CostGraph:
     """The profile with the eager step time, the captured graph's overhead against it, and (`calibrate`)
     node times scaled to what a recompute costs inside a real step, all measured.
@@ -207,10 +220,36 @@ def with_step_times(
     recomputes, is the factor a recompute costs against the profile's per-node runs (cold caches,
     fresh allocations, a loaded machine). Every node's time is scaled by it (rounded to the time
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
+
+    `timing_store`: with fitted times, the figures are kept in the device's timing store under the
+    graph's signature, and a graph already there is not timed again (planner.timing_store).
     """
     if cost.time_source == "flops":
         return cost
     device = torch.device(cost.device)
+    store = open_store(device, timing_store and cost.time_source == "fitted")
+    key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
+    stored = store.get("graphs", key)
+    if stored is None:
+        stored = _measured_step(cost, model, graph, args, kwargs, device, calibrate)
+        if stored:  # a step that could not be run is tried again next time
+            stored = store.put("graphs", key, stored)
+            store.save()
+    step_s, graph_s, scale = (float(stored.get(k, 0.0)) for k in ("step_time_s", "graph_overhead_s", "recompute_scale"))
+    if step_s <= 0:
+        return cost
+    cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
+    if scale <= 0 or scale == 1.0:
+        return cost
+    nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
+    return replace(cost, nodes=nodes, recompute_scale=scale)
+
+
+def _measured_step(
+    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
+    calibrate: bool,
+) -> dict[str, float]:
+    """with_step_times' figures, measured: the eager step, the graph's overhead, the recompute scale."""
     checkpointed, regions = None, ()
     if calibrate:
         try:
@@ -223,20 +262,19 @@ def with_step_times(
     times = step_times(model, graph, args, kwargs, device, checkpointed)
     eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
-        return cost
-    cost = replace(cost, step_time_s=quantize(eager_s), graph_overhead_s=quantize(max(0.0, graph_s - eager_s)))
+        return {}
+    out = {"step_time_s": quantize(eager_s), "graph_overhead_s": quantize(max(0.0, graph_s - eager_s)), "recompute_scale": 1.0}
     if checkpointed is None:
-        return cost
+        return out
     from .solvers import simulate
 
     problem = cost.to_problem()
     sim = simulate(problem, regions)
     nodes_s = sim.recompute_time - sim.call_time - sim.hook_time
-    if nodes_s <= 0:
-        return cost
-    scale = min(4.0, max(0.5, quantize((times[2] - graph_s - (sim.recompute_time - nodes_s)) / nodes_s)))
-    nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
-    return replace(cost, nodes=nodes, recompute_scale=scale)
+    if nodes_s > 0:
+        extra = times[2] - graph_s - (sim.recompute_time - nodes_s)
+        out["recompute_scale"] = min(4.0, max(0.5, quantize(extra / nodes_s)))
+    return out
 
 
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
@@ -254,6 +292,7 @@ def finish_profile(
     cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device,
     cache: dict[str, int] | None = None,
     ops: dict[str, int] | None = None,
+    timing_store: bool = True,
 ) -> CostGraph:
     """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`).
 
@@ -285,9 +324,14 @@ def finish_profile(
         for i, (c, n, flag) in enumerate(zip(cost.nodes, compute, flags))
     )
     cost = replace(cost, nodes=nodes)
+    store = open_store(device, timing_store and anchor and cost.time_source == "measured")
     if anchor:
-        cost = anchor_times(cost)
+        cost = anchor_times(cost, store)
     if overheads and device.type != "meta" and cost.time_source != "flops":
-        region_s, op_s, saved_s = call_overheads(device)
+        stored = store.get("overheads", "call")
+        if stored is None:
+            stored = store.put("overheads", "call", list(call_overheads(device)))
+        region_s, op_s, saved_s = (float(v) for v in stored)
         cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s, saved_overhead_s=saved_s)
+    store.save()
     return cost

@@ -29,6 +29,15 @@ def flop_times_by_default():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def timing_store_of_the_session(tmp_path_factory):
+    """Measured profiles keep their times in a store of this test session, never in the user's cache
+    (planner.timing_store)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path_factory.mktemp("timings")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def grad_mode_left_as_found():
     """A test that leaves autograd disabled (an error inside a no_grad region) would fail every test after

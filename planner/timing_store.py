@@ -1,0 +1,129 @@
+"""The device's timing store: measured times kept on disk, so that planning the same model twice gives
+the same plan.
+
+Measured node times follow the machine's load: two profiles of one model on a busy machine can
+differ by several times, and near-equal plans swap places. The store keeps, per device, the fitted
+time of each op on given sizes (timing.anchor_times), the checkpoint call costs
+(timing.call_overheads), and per captured graph the calibration of a real step
+(timing.with_step_times). The first profile that meets an entry measures it and stores it; every
+later one reads it, so the plan is a function of the model, the inputs and the budget alone. A store
+entry is never overwritten: two processes that measure the same entry keep the first.
+
+Where: the directory `$CKPT_PLANNER_TIMINGS` names, else `$XDG_CACHE_HOME/ckpt-planner`, else
+`~/.cache/ckpt-planner`; one JSON file per device, torch version and thread count.
+`CKPT_PLANNER_TIMINGS=off` (or `ProfileConfig(timing_store=False)`) measures afresh and stores
+nothing; deleting the file measures again. A store that cannot be read is ignored; one that cannot be
+written is not an error (the plan is made from this run's measurements).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
+
+STORE_ENV = "CKPT_PLANNER_TIMINGS"
+FORMAT = 1
+_OFF = {"off", "0", "no", "false", "none"}
+
+
+def store_dir() -> Path | None:
+    """The store's directory, or None when the environment turns it off."""
+    env = os.environ.get(STORE_ENV)
+    if env is not None:
+        if env.strip().lower() in _OFF:
+            return None
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base).expanduser() if base else Path.home() / ".cache") / "ckpt-planner"
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+    else:
+        name = f"{device.type}-{platform.machine()}-{platform.processor() or 'cpu'}"
+    name = f"{name}-torch{torch.__version__}-t{torch.get_num_threads()}"
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)
+
+
+class TimingStore:
+    """One device's stored times: ops (fitted node times by op key), overheads (checkpoint call costs) and
+    graphs (per graph signature, the step calibration). Reads at construction; `save` merges what this
+    run added into the file as it is then, keeping entries already there."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}}
+        self._added: dict[str, dict[str, Any]] = {k: {} for k in self.data}
+        if path is not None:
+            self.data = _read(path)
+
+    def get(self, table: str, key: str) -> Any:
+        return self.data[table].get(key)
+
+    def put(self, table: str, key: str, value: Any) -> Any:
+        """Store `value` unless the key is already there; returns the stored value."""
+        if key in self.data[table]:
+            return self.data[table][key]
+        self.data[table][key] = value
+        self._added[table][key] = value
+        return value
+
+    def save(self) -> None:
+        if self.path is None or not any(self._added.values()):
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            current = _read(self.path)
+            for table, entries in self._added.items():
+                for key, value in entries.items():
+                    current[table].setdefault(key, value)
+            fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT, **current}, f, indent=0, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self.data = current
+            self._added = {k: {} for k in self.data}
+        except OSError:
+            pass  # a read-only home or full disk: this run's plan stands on its own measurements
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    empty: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return empty
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        return empty
+    return {k: dict(raw[k]) if isinstance(raw.get(k), dict) else {} for k in empty}
+
+
+def open_store(device: torch.device | str, enabled: bool = True) -> TimingStore:
+    """The store of `device`; an empty one that saves nothing when disabled, off in the environment, or
+    on meta tensors (nothing is timed there)."""
+    device = torch.device(device)
+    folder = store_dir() if enabled and device.type != "meta" else None
+    if folder is None:
+        return TimingStore(None)
+    return TimingStore(folder / f"timings-{_device_label(device)}.json")
+
+
+def signature(keys: list[str]) -> str:
+    """A captured graph's identity for the store: its nodes' op keys in order."""
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()[:32]

@@ -1,0 +1,132 @@
+"""The device's timing store: measured times are kept per device so that the same model plans the same on
+every run, however loaded the machine is when it is profiled again."""
+
+import importlib
+import json
+
+import torch
+from ckpt_planner import ProfileConfig, capture, profile, solvers
+from ckpt_planner import timing as timing_mod
+from ckpt_planner.examples import TinyGPT
+from ckpt_planner.timing import with_step_times
+from ckpt_planner.timing_store import STORE_ENV, TimingStore, open_store
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, seq=16).train()
+    x = torch.randint(0, 64, (2, 16))
+    return model, capture(model, (x, x))
+
+
+def _profiled(model, cap, config):
+    cost = profile(cap, config)
+    cost = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
+    for p in model.parameters():
+        p.grad = None
+    return cost
+
+
+def _plan(cost):
+    problem = cost.to_problem()
+    base = solvers.simulate(problem, ()).peak_bytes
+    sol = solvers.solve(problem, int(problem.fixed_bytes + 0.8 * (base - problem.fixed_bytes)), "dp")
+    return sol.regions, sol.saved
+
+
+def _loaded(monkeypatch, factor):
+    """Every timed run reads `factor` times slower, as on a machine another job is loading."""
+    real = timing_mod.robust_times
+    profile_mod = importlib.import_module("ckpt_planner.profile")  # the package's `profile` is the function
+    monkeypatch.setattr(profile_mod, "robust_times", lambda s: {k: v * factor for k, v in real(s).items()})
+    real_step = timing_mod.step_times
+    monkeypatch.setattr(timing_mod, "step_times", lambda *a, **k: tuple(t * factor for t in real_step(*a, **k)))
+
+
+def test_a_profile_on_a_loaded_machine_reads_the_stored_times_and_plans_alike(tmp_path, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    model, cap = _tiny()
+    config = ProfileConfig(warmup=0, repeats=1)
+    first = _profiled(model, cap, config)
+    assert first.time_source == "fitted" and first.step_time_s > 0
+    assert len(list(tmp_path.glob("timings-*.json"))) == 1
+    _loaded(monkeypatch, 8.0)
+    again = _profiled(model, cap, config)
+    assert [n.time for n in again.nodes] == [n.time for n in first.nodes]
+    assert (again.step_time_s, again.recompute_scale, again.region_overhead_s, again.saved_overhead_s) == (
+        first.step_time_s, first.recompute_scale, first.region_overhead_s, first.saved_overhead_s)
+    assert _plan(first)[0] and _plan(again) == _plan(first)
+    # Without the store the same load shows: every timed figure moves with it.
+    fresh = _profiled(model, cap, ProfileConfig(warmup=0, repeats=1, timing_store=False))
+    assert sum(n.time for n in fresh.nodes) > 2 * sum(n.time for n in first.nodes)
+    assert fresh.step_time_s > 2 * first.step_time_s
+
+
+def test_a_stored_graph_is_not_timed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    model, cap = _tiny()
+    config = ProfileConfig(warmup=0, repeats=1)
+    _profiled(model, cap, config)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a stored graph was timed again")
+
+    monkeypatch.setattr(timing_mod, "step_times", no_timing)
+    monkeypatch.setattr(timing_mod, "call_overheads", no_timing)
+    _profiled(model, cap, config)
+
+
+def test_store_off_in_the_environment_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model, cap = _tiny()
+    cost = _profiled(model, cap, ProfileConfig(warmup=0, repeats=1))
+    assert cost.time_source == "fitted"
+    assert list(tmp_path.rglob("*.json")) == []
+
+
+def test_the_first_stored_entry_wins_and_entries_merge(tmp_path):
+    path = tmp_path / "timings-x.json"
+    a, b = TimingStore(path), TimingStore(path)
+    assert a.put("ops", "mm", 1.0) == 1.0
+    assert b.put("ops", "mm", 2.0) == 2.0  # b has not seen a's entry yet
+    b.put("ops", "add", 3.0)
+    a.save()
+    b.save()
+    data = json.loads(path.read_text())
+    assert data["ops"] == {"mm": 1.0, "add": 3.0}
+    assert TimingStore(path).get("ops", "mm") == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == ["timings-x.json"]  # no temporary file left behind
+
+
+def test_an_unreadable_store_is_ignored_and_an_unwritable_one_is_no_error(tmp_path):
+    path = tmp_path / "timings-x.json"
+    path.write_text("{not json")
+    store = TimingStore(path)
+    assert store.get("ops", "mm") is None
+    store.put("ops", "mm", 1.0)
+    store.save()
+    assert json.loads(path.read_text())["ops"] == {"mm": 1.0}
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    store = TimingStore(blocked / "timings-x.json")  # its folder cannot be made: a file is in the way
+    store.put("ops", "mm", 1.0)
+    store.save()
+    assert store.get("ops", "mm") == 1.0
+
+
+def test_meta_and_disabled_stores_keep_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    assert open_store("meta").path is None
+    assert open_store("cpu", enabled=False).path is None
+    assert open_store("cpu").path.parent == tmp_path
+
+
+def test_raw_times_are_not_stored(tmp_path, monkeypatch):
+    """Unfitted times (anchor=False) are this run's own: nothing of them is stored."""
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    model, cap = _tiny()
+    cost = _profiled(model, cap, ProfileConfig(warmup=0, repeats=1, anchor=False, overheads=False))
+    assert cost.time_source == "measured"
+    assert list(tmp_path.glob("*.json")) == []
