@@ -60,6 +60,7 @@ from ckpt_planner.capture import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
 from ckpt_planner.rewrite import rewrite  # noqa: E402
+from ckpt_planner.solvers.selective import block_regions  # noqa: E402
 from ckpt_planner.timing import with_step_times  # noqa: E402
 from ckpt_planner.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
@@ -288,6 +289,16 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
             f = round((smallest - problem.fixed_bytes) / act, 3)
             out.append(_contender(f"ours-{name}@min", f"ours-{name}", f, cost, problem, sol, cap, case,
                                   time.perf_counter() - t1))
+    # Per-block checkpointing's own plan, run through our rewrite and priced by our cost model: the same
+    # plan as the per-block contender, so the two measure our execution against theirs, and its
+    # prediction beside our solvers' is what the cost model believes the best plan saves over it.
+    regions = block_regions(problem)
+    if regions and act > 0:
+        sim = solvers.simulate(problem, regions)
+        sol = solvers.Solution(regions=regions, solver="blocks", peak_bytes=sim.peak_bytes,
+                               recompute_time=sim.recompute_time)
+        out.append(_contender("per-block-plan", "per-block-plan", round((sim.peak_bytes - problem.fixed_bytes) / act, 3),
+                              cost, problem, sol, cap, case, 0.0))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 __all__ = ["curve", "at_memory", "analyse", "write_report"]
@@ -97,6 +98,16 @@ def analyse(model: dict) -> dict:
         targets[f"vs {peer}"] = {"memory_bytes": mem, "their_overhead": theirs, "our_overhead": mine,
                                  "ratio": ratio, "limit": limit, "hit": ratio is not None and ratio <= limit,
                                  "levels": rows}
+        plan = next((c for c in ok if c["family"] == "per-block-plan"), None)
+        if peer == "per-block" and plan is not None and plan.get("predicted_overhead"):
+            # What the cost model itself believes: its best plan within the per-block plan's predicted
+            # peak against the per-block plan, both predicted. Below the limit, the model sees a way.
+            fits = [c["predicted_overhead"] for c in ok if c["family"].startswith("ours-")
+                    and c.get("predicted_overhead") is not None and c["predicted_peak_bytes"] <= plan["predicted_peak_bytes"]]
+            targets[f"vs {peer}"]["model"] = {
+                "plan_predicted": plan["predicted_overhead"], "plan_measured": plan["overhead"],
+                "best_predicted": min(fits) if fits else None,
+                "ratio": min(fits) / plan["predicted_overhead"] if fits else None}
     half = next((c for c in ok if c["family"] == "compile" and c["setting"] == 0.5), None)
     if best is not None and half is not None:
         theirs = half["step_s"] / fams["compile"]["ref"] - 1
@@ -168,15 +179,17 @@ def _plot(model: dict, out: Path) -> str:
     ok = [c for c in model["contenders"] if "step_s" in c]
     none = next(c for c in ok if c["name"] == "none")
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"per-block": ("s", "tab:red"), "sequential": ("D", "tab:purple"), "compile": ("^", "tab:green")}
-    colors = iter(["tab:blue", "tab:cyan", "tab:olive", "tab:brown", "tab:pink", "navy", "teal"])
+    styles = {"per-block": ("s", "tab:red"), "per-block-plan": ("x", "tab:red"), "sequential": ("D", "tab:purple"),
+              "compile": ("^", "tab:green")}
+    colors = itertools.cycle(["tab:blue", "tab:cyan", "tab:olive", "tab:brown", "tab:pink", "navy", "teal"])
     for fam in dict.fromkeys(c["family"] for c in ok):
         pts = sorted((c["measured_peak_bytes"] / 1e6, c["step_s"] / none["step_s"]) for c in ok if c["family"] == fam)
         if fam == "none":
             ax.plot(*zip(*pts), "ko", ms=9, label="no checkpointing")
             continue
-        marker, color = styles.get(fam, ("o", next(colors)))
-        label = {"compile": "torch.compile + activation_memory_budget"}.get(fam, fam)
+        marker, color = styles[fam] if fam in styles else ("o", next(colors))
+        label = {"compile": "torch.compile + activation_memory_budget",
+                 "per-block-plan": "per-block's plan, our rewrite"}.get(fam, fam)
         ax.plot(*zip(*pts), marker=marker, color=color, ls="-" if len(pts) > 1 else "", label=label)
     ax.set_xlabel("measured peak memory of one step (MB)")
     ax.set_ylabel("step time / no checkpointing (eager)")
@@ -352,6 +365,12 @@ def write_report(results: dict, out: Path) -> None:
                       f"ours {_pct(t['our_overhead'])} ({red})") + "".join(
                 f"; {int(100 * r['level'])} % level: ours {_pct(r['our_overhead'])} vs {_pct(r['their_overhead'])}"
                 + ("" if r["ratio"] is None else f" ({r['ratio']:.2f}x)") for r in t["levels"])
+            m = t.get("model")
+            if m:
+                detail += (f"; the same per-block plan through our rewrite: measured {_pct(m['plan_measured'])}, "
+                           f"predicted {_pct(m['plan_predicted'])}; our cost model's best within its predicted peak: "
+                           + ("none" if m["best_predicted"] is None else
+                              f"{_pct(m['best_predicted'])} predicted ({m['ratio']:.2f}x)"))
         elif key == "vs compile@0.5":
             detail = (f"ours {_pct(t['our_overhead'])} at the 50 % level vs compile@0.5 {_pct(t['compile_overhead'])} "
                       f"(at {_mb(t['compile_bytes'])} MB)")

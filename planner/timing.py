@@ -9,7 +9,8 @@
   busy machine give the same times and the same plan.
 * `call_overheads`: the fixed cost of one non-reentrant checkpoint call, of its hooks per saved tensor,
   over a step (forward, recompute, backward) and of the selective policy per
-  op, measured once on the device on tiny regions.
+  op, measured once on the device on tiny regions. `with_step_times` measures
+  the policy's cost again on the model's own ops, which cost more per op.
 * `step_times`: the eager model's step and the captured graph's, so that
   the predicted step time counts the graph's own overhead.
 """
@@ -44,7 +45,7 @@ __all__ = [
 GRID = 4  # steps per doubling of the time grid
 TINY_OPS = 16  # ops in the regions timed by call_overheads
 TIMED_STEPS = 7  # timed repeats of each overhead measurement (the fastest is kept)
-STEP_ROUNDS = 3  # interleaved rounds of whole-step timings (eager, graph, checkpointed graph)
+STEP_ROUNDS = 5  # interleaved rounds of whole-step timings (eager, graph, checkpointed graphs)
 
 
 def quantize(seconds: float) -> float:
@@ -168,13 +169,13 @@ def _loss(out: Any) -> torch.Tensor | None:
 
 def step_times(
     model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
-    checkpointed: torch.nn.Module | None = None,
+    *checkpointed: torch.nn.Module,
 ) -> tuple[float, ...]:
-    """(eager step, captured graph's step[, the checkpointed graph's step]) in seconds, the fastest of a
-    few interleaved runs; zeros when a step cannot be run this way. The caller restores the model's
+    """(eager step, captured graph's step, then each checkpointed graph's step) in seconds, the fastest of
+    a few interleaved runs; zeros when a step cannot be run this way. The caller restores the model's
     state (gradients, buffers, RNG)."""
     sync = _sync_for(device)
-    modules = [model, graph] + ([checkpointed] if checkpointed is not None else [])
+    modules = [model, graph, *checkpointed]
 
     def run(mod) -> None:
         loss = _loss(mod(*args, **kwargs))
@@ -239,6 +240,8 @@ def with_step_times(
     if step_s <= 0:
         return cost
     cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
+    if "op_overhead_s" in stored:
+        cost = replace(cost, op_overhead_s=float(stored["op_overhead_s"]))
     if scale <= 0 or scale == 1.0:
         return cost
     nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
@@ -250,21 +253,23 @@ def _measured_step(
     calibrate: bool,
 ) -> dict[str, float]:
     """with_step_times' figures, measured: the eager step, the graph's overhead, the recompute scale."""
-    checkpointed, regions = None, ()
+    checked: tuple[torch.nn.Module, ...] = ()
+    regions: tuple[tuple[int, int], ...] = ()
     if calibrate:
         try:
             from .rewrite import rewrite
 
             regions = _calibration_plan(cost)
-            checkpointed = rewrite(graph, regions, model=model) if regions else None
+            if regions:
+                checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
         except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
-            checkpointed, regions = None, ()
-    times = step_times(model, graph, args, kwargs, device, checkpointed)
+            checked, regions = (), ()
+    times = step_times(model, graph, args, kwargs, device, *checked)
     eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
         return {}
-    out = {"step_time_s": quantize(eager_s), "graph_overhead_s": quantize(max(0.0, graph_s - eager_s)), "recompute_scale": 1.0}
-    if checkpointed is None:
+    out = {"step_time_s": eager_s, "graph_overhead_s": max(0.0, graph_s - eager_s), "recompute_scale": 1.0}
+    if not checked:
         return out
     from .solvers import simulate
 
@@ -274,7 +279,23 @@ def _measured_step(
     if nodes_s > 0:
         extra = times[2] - graph_s - (sim.recompute_time - nodes_s)
         out["recompute_scale"] = min(4.0, max(0.5, quantize(extra / nodes_s)))
+    # The same regions under a selective policy that keeps nothing: the same recompute, plus the
+    # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
+    ops = sum(problem.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
+    if ops > 0 and times[3] > 0:
+        out["op_overhead_s"] = max(0.0, times[3] - times[2]) / (2 * ops)
     return out
+
+
+def _caching_nothing(checkpointed: torch.nn.Module) -> torch.nn.Module:
+    """`checkpointed` with every region run under the selective policy, keeping no op (a position no
+    node has): what the policy's dispatch alone costs on this graph's own ops."""
+    from .rewrite import CheckpointRegion
+
+    for module in checkpointed.modules():
+        if isinstance(module, CheckpointRegion):
+            module.saved_positions = frozenset({-2})
+    return checkpointed
 
 
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:

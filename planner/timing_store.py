@@ -32,7 +32,7 @@ import torch
 __all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
 
 STORE_ENV = "CKPT_PLANNER_TIMINGS"
-FORMAT = 1
+FORMAT = 2
 _OFF = {"off", "0", "no", "false", "none"}
 
 
@@ -52,9 +52,21 @@ def _device_label(device: torch.device) -> str:
         index = device.index if device.index is not None else torch.cuda.current_device()
         name = torch.cuda.get_device_name(index)
     else:
-        name = f"{device.type}-{platform.machine()}-{platform.processor() or 'cpu'}"
+        name = f"{device.type}-{platform.machine()}-{_cpu_model()}-{os.cpu_count()}"
     name = f"{name}-torch{torch.__version__}-t{torch.get_num_threads()}"
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name)
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), so that machines sharing a home folder keep
+    apart; platform.processor() is empty on most Linux systems."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 class TimingStore:
