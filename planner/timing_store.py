@@ -44,7 +44,10 @@ def store_dir() -> Path | None:
             return None
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base).expanduser() if base else Path.home() / ".cache") / "ckpt-planner"
+    try:
+        return (Path(base).expanduser() if base else Path.home() / ".cache") / "ckpt-planner"
+    except RuntimeError:  # no home folder to be found: nothing is stored
+        return None
 
 
 def _device_label(device: torch.device) -> str:
