@@ -38,20 +38,34 @@ def stdout_to_stderr() -> Iterator[None]:
     would corrupt a caller's machine-readable output (`ckpt-planner ... --json`).
     """
     try:
-        out = sys.stdout.fileno()
-        err = sys.stderr.fileno()
+        # The process's own streams: a progress bar may stand in for sys.stdout with a proxy that has
+        # no descriptor, while the native code still writes to descriptor 1.
+        out = sys.__stdout__.fileno()
+        err = sys.__stderr__.fileno()
     except (AttributeError, OSError, ValueError):  # no real descriptors (captured streams): nothing to move
         yield
         return
     sys.stdout.flush()
+    sys.__stdout__.flush()
     saved = os.dup(out)
     try:
         os.dup2(err, out)
         yield
     finally:
         sys.stdout.flush()
+        sys.__stdout__.flush()
+        _flush_c_stdio()  # a C library buffers a file's stdout: what it holds must leave before the swap back
         os.dup2(saved, out)
         os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to reach (not a POSIX system): nothing to flush
+        pass
 
 
 def _highs_available() -> bool:

@@ -150,3 +150,18 @@ def test_highs_banner_stays_off_stdout():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "", out.stdout
+
+
+def test_native_output_leaves_stdout_when_a_proxy_stands_in_for_it(capfd, monkeypatch):
+    """A progress bar replaces sys.stdout with a proxy that has no descriptor; native code still writes
+    to descriptor 1, and `ckpt-planner demo --json` once began with HiGHS's banner that way."""
+    import io
+    import os
+
+    from ckpt_planner.solvers.milp_backend import stdout_to_stderr
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    with stdout_to_stderr():
+        os.write(1, b"native banner\n")
+    out, err = capfd.readouterr()
+    assert "native banner" not in out and "native banner" in err
