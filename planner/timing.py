@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 GRID = 4  # steps per doubling of the time grid
+HEAL = 2.0 ** (-2 / GRID)  # a stored node time gives way to one two grid steps lower (timing_store)
 TINY_OPS = 16  # ops in the regions timed by call_overheads
 TIMED_STEPS = 7  # timed repeats of each overhead measurement (the fastest is kept)
 STEP_ROUNDS = 5  # interleaved rounds of whole-step timings (eager, graph, checkpointed graphs)
@@ -87,7 +88,7 @@ def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph
         groups.setdefault(key, []).append(n.time)
     typical = {key: quantize(statistics.median(ts)) for key, ts in groups.items()}
     if store is not None:
-        typical = {key: float(store.put("ops", key, t)) for key, t in typical.items()}
+        typical = {key: store.settle("ops", key, t, HEAL) for key, t in typical.items()}
     fitted = tuple(replace(n, time=typical[key]) for n, key in zip(nodes, keys))
     return replace(cost, nodes=fitted, time_source="fitted")
 
@@ -223,20 +224,28 @@ def with_step_times(
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
 
     `timing_store`: with fitted times, the figures are kept in the device's timing store under the
-    graph's signature, and a graph already there is not timed again (planner.timing_store).
+    graph's signature; a graph already there keeps its calibration, and its step times take the
+    lowest run yet (planner.timing_store).
     """
     if cost.time_source == "flops":
         return cost
     device = torch.device(cost.device)
     store = open_store(device, timing_store and cost.time_source == "fitted")
     key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
+    measured = _measured_step(cost, model, graph, args, kwargs, device, calibrate)
     stored = store.get("graphs", key)
+    if measured:  # a step that could not be run is tried again next time
+        # The calibration ratios are the first run's (plans repeat); the two step times take the
+        # lowest run yet (they move every plan's predicted step alike, so no plan changes).
+        stored = store.put("graphs", key, {k: measured[k] for k in ("recompute_scale", "op_overhead_s") if k in measured})
+        for name in ("step_time_s", "graph_step_s"):
+            store.settle("steps", f"{key}|{name}", measured[name], 1.0)
+        store.save()
     if stored is None:
-        stored = _measured_step(cost, model, graph, args, kwargs, device, calibrate)
-        if stored:  # a step that could not be run is tried again next time
-            stored = store.put("graphs", key, stored)
-            store.save()
-    step_s, graph_s, scale = (float(stored.get(k, 0.0)) for k in ("step_time_s", "graph_overhead_s", "recompute_scale"))
+        return cost
+    step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
+    graph_s = max(0.0, float(store.get("steps", f"{key}|graph_step_s") or 0.0) - step_s)
+    scale = float(stored.get("recompute_scale", 1.0))
     if step_s <= 0:
         return cost
     cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
@@ -268,7 +277,7 @@ def _measured_step(
     eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
         return {}
-    out = {"step_time_s": eager_s, "graph_overhead_s": max(0.0, graph_s - eager_s), "recompute_scale": 1.0}
+    out = {"step_time_s": eager_s, "graph_step_s": graph_s, "recompute_scale": 1.0}
     if not checked:
         return out
     from .solvers import simulate

@@ -6,8 +6,13 @@ differ by several times, and near-equal plans swap places. The store keeps, per 
 time of each op on given sizes (timing.anchor_times), the checkpoint call costs
 (timing.call_overheads), and per captured graph the calibration of a real step
 (timing.with_step_times). The first profile that meets an entry measures it and stores it; every
-later one reads it, so the plan is a function of the model, the inputs and the budget alone. A store
-entry is never overwritten: two processes that measure the same entry keep the first.
+later one reads it, so the plan is a function of the model, the inputs and the budget alone. Ratios
+(the calibration, the call costs) are never overwritten: two processes that measure one keep the
+first. Times measured directly (an op's time, a whole step) heal: a later run that measures one
+clearly lower (a first run that load slowed down; load only ever adds time) replaces it, so a bad
+first profile does not stay. For node times "clearly" is two steps of the time grid (x0.71), beyond
+the one-step flicker of quiet runs, so the plan stays put; step times are plan-neutral and take any
+lower figure.
 
 Where: the directory `$CKPT_PLANNER_TIMINGS` names, else `$XDG_CACHE_HOME/ckpt-planner`, else
 `~/.cache/ckpt-planner`; one JSON file per device, torch version and thread count.
@@ -32,7 +37,7 @@ import torch
 __all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
 
 STORE_ENV = "CKPT_PLANNER_TIMINGS"
-FORMAT = 2
+FORMAT = 3
 _OFF = {"off", "0", "no", "false", "none"}
 
 
@@ -73,13 +78,14 @@ def _cpu_model() -> str:
 
 
 class TimingStore:
-    """One device's stored times: ops (fitted node times by op key), overheads (checkpoint call costs) and
-    graphs (per graph signature, the step calibration). Reads at construction; `save` merges what this
-    run added into the file as it is then, keeping entries already there."""
+    """One device's stored times: ops (fitted node times by op key), overheads (checkpoint call costs),
+    graphs (per graph signature, the step calibration) and steps (per graph, its eager and graph step).
+    Reads at construction; `save` merges what this run added into the file as it is then, keeping the
+    entries already there (a healed time replaces a higher one)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.data: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}}
+        self.data: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
         self._added: dict[str, dict[str, Any]] = {k: {} for k in self.data}
         if path is not None:
             self.data = _read(path)
@@ -95,6 +101,16 @@ class TimingStore:
         self._added[table][key] = value
         return value
 
+    def settle(self, table: str, key: str, value: float, heal: float) -> float:
+        """A time measured directly (a loaded machine only ever adds to it): the stored one, unless this
+        one is at most `heal` times it (a first measurement that load inflated), which replaces it."""
+        old = self.data[table].get(key)
+        if old is not None and not value <= heal * float(old):
+            return float(old)
+        self.data[table][key] = value
+        self._added[table][key] = value
+        return value
+
     def save(self) -> None:
         if self.path is None or not any(self._added.values()):
             return
@@ -103,7 +119,9 @@ class TimingStore:
             current = _read(self.path)
             for table, entries in self._added.items():
                 for key, value in entries.items():
-                    current[table].setdefault(key, value)
+                    there = current[table].get(key)
+                    if there is None or (isinstance(value, float) and value < float(there)):
+                        current[table][key] = value  # a new entry, or one that settle() healed
             fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
             try:
                 with os.fdopen(fd, "w") as f:
@@ -119,7 +137,7 @@ class TimingStore:
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
-    empty: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}}
+    empty: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
