@@ -82,9 +82,8 @@ class ProfileConfig:
     overheads: bool = True
     """Measure the cost of a checkpoint call and of selective-policy dispatch on the device."""
     timing_store: bool = True
-    """Keep fitted times in the device's timing store and take them from it when it has them, so that
-    the same model plans the same on every run (planner.timing_store; `CKPT_PLANNER_TIMINGS=off` turns
-    it off everywhere). False: measure afresh and store nothing."""
+    """Keep fitted times in the device's timing store and read them from it, so that a model plans the
+    same on every run (planner.timing_store). False: measure afresh and store nothing."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -205,10 +204,8 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
         else:
             cost = _profile_real(gm, flat, config, dev)
             cached, ops = try_policy_costs(gm, flat)
-        return finish_profile(
-            cost, gm, anchor=config.anchor, overheads=config.overheads, device=dev, cache=cached, ops=ops,
-            timing_store=config.timing_store,
-        )
+        how = dict(anchor=config.anchor, overheads=config.overheads, timing_store=config.timing_store)
+        return finish_profile(cost, gm, device=dev, cache=cached, ops=ops, **how)
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
@@ -399,15 +396,11 @@ def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:
         for p in path:
             mod = getattr(mod, p)
         if leaf in mod._parameters:
-            mod._parameters[leaf] = value if isinstance(value, torch.nn.Parameter) else _as_param(value)
+            # A fake tensor cannot become an nn.Parameter; modules accept a plain tensor, which keeps the
+            # parameter's requires_grad (frozen parameters have no gradient to count).
+            mod._parameters[leaf] = value
         else:
             mod._buffers[leaf] = value
-
-
-def _as_param(t: torch.Tensor) -> torch.Tensor:
-    # A fake tensor cannot become an nn.Parameter; modules accept a plain tensor. It keeps
-    # the parameter's requires_grad (frozen parameters have no gradient to count).
-    return t
 
 
 def _roofline(flops: float, nbytes: float, dev: str, config: ProfileConfig) -> float:
@@ -481,7 +474,6 @@ def _build(
             out_bytes += nbytes
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 grad_bytes += t.numel() * t.element_size()
-        saved_bytes = 0
         for t in alive(packed):
             key = storage_key(t)
             if key in external:
@@ -534,7 +526,6 @@ def _build(
                 "dtype": str(_tensors(value)[0].dtype).replace("torch.", "") if _tensors(value) else "",
             }
         )
-        del saved_bytes
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     for t in _tensors(env.get(output_node, None)) if output_node in env else []:
         key = storage_key(t)
