@@ -261,7 +261,8 @@ def _measured_step(
     cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
     calibrate: bool,
 ) -> dict[str, float]:
-    """with_step_times' figures, measured: the eager step, the graph's overhead, the recompute scale."""
+    """with_step_times' figures, measured this run: the eager and graph steps, the recompute scale and the
+    selective policy's cost per op."""
     checked: tuple[torch.nn.Module, ...] = ()
     regions: tuple[tuple[int, int], ...] = ()
     if calibrate:
