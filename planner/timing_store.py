@@ -85,10 +85,8 @@ class TimingStore:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.data: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
-        self._added: dict[str, dict[str, Any]] = {k: {} for k in self.data}
-        if path is not None:
-            self.data = _read(path)
+        self.data = _read(path) if path is not None else _empty()
+        self._added: dict[str, dict[str, tuple[Any, bool]]] = _empty()  # key -> (value, healed)
 
     def get(self, table: str, key: str) -> Any:
         return self.data[table].get(key)
@@ -98,7 +96,7 @@ class TimingStore:
         if key in self.data[table]:
             return self.data[table][key]
         self.data[table][key] = value
-        self._added[table][key] = value
+        self._added[table][key] = (value, False)
         return value
 
     def settle(self, table: str, key: str, value: float, heal: float) -> float:
@@ -108,7 +106,7 @@ class TimingStore:
         if old is not None and not value <= heal * float(old):
             return float(old)
         self.data[table][key] = value
-        self._added[table][key] = value
+        self._added[table][key] = (value, True)
         return value
 
     def save(self) -> None:
@@ -118,10 +116,10 @@ class TimingStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             current = _read(self.path)
             for table, entries in self._added.items():
-                for key, value in entries.items():
+                for key, (value, healed) in entries.items():
                     there = current[table].get(key)
-                    if there is None or (isinstance(value, float) and value < float(there)):
-                        current[table][key] = value  # a new entry, or one that settle() healed
+                    if there is None or (healed and value < float(there)):
+                        current[table][key] = value  # a new entry, or a time that settle() healed
             fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
             try:
                 with os.fdopen(fd, "w") as f:
@@ -131,13 +129,17 @@ class TimingStore:
                 Path(tmp).unlink(missing_ok=True)
                 raise
             self.data = current
-            self._added = {k: {} for k in self.data}
+            self._added = _empty()
         except OSError:
             pass  # a read-only home or full disk: this run's plan stands on its own measurements
 
 
+def _empty() -> dict[str, dict[str, Any]]:
+    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
+
+
 def _read(path: Path) -> dict[str, dict[str, Any]]:
-    empty: dict[str, dict[str, Any]] = {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
+    empty = _empty()
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
