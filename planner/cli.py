@@ -101,6 +101,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "flops": sum(r["flops"] for r in rows),
         "param_bytes": cost.param_bytes,
         "time_source": cost.time_source,
+        "estimated_nodes": sum(n.time_estimated for n in cost.nodes),
     }
     if args.json:
         _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
@@ -115,7 +116,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _out(
             args,
         f"total: {totals['nodes']} nodes ({cap.method}), saved for backward {_fmt(totals['saved_bytes'])}, "
-        f"forward {totals['forward_s'] * 1e3:.1f} ms ({cost.time_source}), {totals['flops'] / 1e9:.2f} GFLOP, "
+        f"forward {totals['forward_s'] * 1e3:.1f} ms ({cost.time_source}"
+        + (f"; {totals['estimated_nodes']} from FLOPs/bytes, their runs disagreed" if totals["estimated_nodes"] else "")
+        + f"), {totals['flops'] / 1e9:.2f} GFLOP, "
         f"parameters and buffers {_fmt(totals['param_bytes'])}"
     )
     return EXIT_OK

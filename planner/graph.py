@@ -52,6 +52,10 @@ class NodeCost:
     """Tensors its forward hands autograd to keep (each passes a checkpoint region's hooks)."""
     dispatch_ops: int = 1
     """Aten ops its forward runs (each a call of a selective region's policy)."""
+    time_min: float = field(default=0.0, compare=False)
+    """Its fastest timed run (seconds; 0 when not timed). Against `time`, how far its runs disagreed."""
+    time_estimated: bool = False
+    """`time` is the FLOP/bytes estimate: its timed runs disagreed (timing.anchor_times)."""
 
 
 @dataclass(frozen=True)

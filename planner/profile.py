@@ -47,7 +47,7 @@ from .rewrite import mutated_inputs, written_roots
 from .rng import rng_state_bytes, uses_rng
 from .selective import try_policy_costs
 from .state import rng_preserved
-from .timing import finish_profile, robust_times
+from .timing import finish_profile, robust_times, with_fastest
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]
 
@@ -264,9 +264,8 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         del timer.env
         timer.env = {}
     prof = _run_recording(gm, flat, config)
-    times = robust_times(timer.times)
-    cost = _build(gm, flat, prof, times, method="measured", device=str(dev))
-    return with_backward_temps(cost, measure_backward(gm, prof))
+    cost = _build(gm, flat, prof, robust_times(timer.times), method="measured", device=str(dev))
+    return with_backward_temps(with_fastest(cost, timer.times), measure_backward(gm, prof))
 
 
 def _profile_fake(

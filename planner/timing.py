@@ -7,6 +7,12 @@
   samples), rounded to a geometric grid of 2^(1/4). A spike in one run of
   one layer moves neither the median nor the grid point, so two runs on a
   busy machine give the same times and the same plan.
+* Where a key's timed runs disagree (their typical run more than twice the
+  fastest, in the median node of the key), the key's time is estimated from
+  its FLOPs, or the bytes it moves, at the seconds per FLOP (per byte) of the
+  keys whose runs agree: the same op where there is one, else every op doing
+  that kind of work. The runs still bracket it: the estimate is held between
+  the fastest run and the typical one.
 * `call_overheads`: the fixed cost of one non-reentrant checkpoint call, of its hooks per saved tensor,
   over a step (forward, recompute, backward) and of the selective policy per
   op, measured once on the device on tiny regions. `with_step_times` measures
@@ -28,11 +34,13 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .graph import CostGraph
+from .graph import CostGraph, NodeCost
 from .timing_store import TimingStore, open_store, signature
 
 __all__ = [
     "robust_times",
+    "with_fastest",
+    "estimated_times",
     "anchor_times",
     "call_overheads",
     "step_times",
@@ -43,6 +51,7 @@ __all__ = [
 ]
 
 GRID = 4  # steps per doubling of the time grid
+DISAGREE = 2.0  # a key whose typical run is slower than this times its fastest is estimated (anchor_times)
 HEAL = 2.0 ** (-2 / GRID)  # a stored node time gives way to one two grid steps lower (timing_store)
 TINY_OPS = 16  # ops in the regions timed by call_overheads
 TIMED_STEPS = 7  # timed repeats of each overhead measurement (the fastest is kept)
@@ -65,6 +74,12 @@ def robust_times(samples: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
+def with_fastest(cost: CostGraph, samples: dict[str, list[float]]) -> CostGraph:
+    """`cost` with each node's fastest timed run (`NodeCost.time_min`), from the per-node samples."""
+    nodes = tuple(replace(n, time_min=min(samples.get(n.name) or [0.0])) for n in cost.nodes)
+    return replace(cost, nodes=nodes)
+
+
 def op_key(cost: CostGraph, n) -> str:
     """What a node's time is taken to depend on: the op, its FLOPs, the bytes it makes and reads, the dtype."""
     reads = ",".join(str(b) for b in sorted(cost.storages[t].nbytes for t in n.reads))
@@ -73,24 +88,78 @@ def op_key(cost: CostGraph, n) -> str:
 
 def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph:
     """Each node's time: the median over the nodes that run the same op on the same sizes (the layers
-    of a model repeat them), rounded to the time grid. See the module docstring.
+    of a model repeat them), rounded to the time grid; where those runs disagree, the FLOP/bytes
+    estimate (`estimated_times`). See the module docstring.
 
     `store`: the device's timing store (planner.timing_store); a key it holds takes the stored time,
     a key it lacks is stored with this run's."""
     nodes = cost.nodes
     if not nodes or cost.time_source != "measured":
         return cost
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[NodeCost]] = {}
     keys = []
     for n in nodes:
         key = op_key(cost, n)
         keys.append(key)
-        groups.setdefault(key, []).append(n.time)
-    typical = {key: quantize(statistics.median(ts)) for key, ts in groups.items()}
+        groups.setdefault(key, []).append(n)
+    typical = {key: statistics.median(n.time for n in ns) for key, ns in groups.items()}
+    doubtful = {
+        key for key, ns in groups.items()
+        if all(n.time_min > 0 for n in ns) and statistics.median(n.time / n.time_min for n in ns) > DISAGREE
+    }
+    typical.update(estimated_times(cost, groups, typical, doubtful))
+    typical = {key: quantize(t) for key, t in typical.items()}
     if store is not None:
         typical = {key: store.settle("ops", key, t, HEAL) for key, t in typical.items()}
-    fitted = tuple(replace(n, time=typical[key]) for n, key in zip(nodes, keys))
+    fitted = tuple(replace(n, time=typical[key], time_estimated=key in doubtful) for n, key in zip(nodes, keys))
     return replace(cost, nodes=fitted, time_source="fitted")
+
+
+def _work(cost: CostGraph, n: NodeCost) -> tuple[str, float]:
+    """What a node's time scales with: ('flops', FLOPs), else ('bytes', bytes made and read); a node that
+    makes no storage (a view, a metadata op) does no work to scale by: 0."""
+    if n.flops > 0:
+        return "flops", n.flops
+    if n.out_bytes <= 0:
+        return "bytes", 0.0
+    return "bytes", float(n.out_bytes + sum(cost.storages[t].nbytes for t in n.reads))
+
+
+def estimated_times(
+    cost: CostGraph, groups: dict[str, list[NodeCost]], typical: dict[str, float], doubtful: set[str]
+) -> dict[str, float]:
+    """The FLOP/bytes estimate of each doubtful key (seconds): its work at the median seconds per FLOP
+    (or per byte) of the trusted keys of the same op, else of every trusted key doing that kind of work;
+    a key with no work to scale by takes the median of the trusted keys of its op, else the fastest
+    trusted key (the dispatch floor). Held between the key's fastest run and its typical one: load only
+    adds time, so the fastest run is reachable, and the typical one already counts the load."""
+    trusted = [k for k in typical if k not in doubtful and typical[k] > 0]
+    if not doubtful or not trusted:
+        return {}
+    first = {k: ns[0] for k, ns in groups.items()}
+    kind = {k: n.kind or n.target for k, n in first.items()}
+    work = {k: _work(cost, n) for k, n in first.items()}
+
+    def rate(unit: str, op: str | None) -> float | None:
+        rates = [
+            typical[k] / work[k][1] for k in trusted
+            if work[k][0] == unit and work[k][1] > 0 and (op is None or kind[k] == op)
+        ]
+        return statistics.median(rates) if rates else None
+
+    floor = min(typical[k] for k in trusted)
+    out = {}
+    for key in doubtful:
+        unit, amount = work[key]
+        if amount > 0:
+            per = rate(unit, kind[key]) or rate(unit, None)
+            guess = max(floor, per * amount) if per is not None else typical[key]
+        else:
+            same = [typical[k] for k in trusted if kind[k] == kind[key]]
+            guess = statistics.median(same) if same else floor
+        fastest = statistics.median(n.time_min for n in groups[key])
+        out[key] = min(typical[key], max(fastest, guess))
+    return out
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:

@@ -44,6 +44,8 @@ def _loaded(monkeypatch, factor):
     real = timing_mod.robust_times
     profile_mod = importlib.import_module("ckpt_planner.profile")  # the package's `profile` is the function
     monkeypatch.setattr(profile_mod, "robust_times", lambda s: {k: v * factor for k, v in real(s).items()})
+    fastest = timing_mod.with_fastest
+    monkeypatch.setattr(profile_mod, "with_fastest", lambda c, s: fastest(c, {k: [v * factor for v in ts] for k, ts in s.items()}))
     real_step = timing_mod.step_times
     monkeypatch.setattr(timing_mod, "step_times", lambda *a, **k: tuple(t * factor for t in real_step(*a, **k)))
 
