@@ -15,7 +15,8 @@
   the fastest run and the typical one.
 * `call_overheads`: the fixed cost of one non-reentrant checkpoint call, of its hooks per saved tensor,
   over a step (forward, recompute, backward) and of the selective policy per
-  op, measured once on the device on tiny regions. `with_step_times` measures
+  op, measured on the device on tiny regions (`call_timings`, kept in the
+  timing store) and derived from those timings (`call_costs`). `with_step_times` measures
   the policy's cost again on the model's own ops, which cost more per op.
 * `step_times`: the eager model's step and the captured graph's, so that
   the predicted step time counts the graph's own overhead.
@@ -43,6 +44,8 @@ __all__ = [
     "estimated_times",
     "anchor_times",
     "call_overheads",
+    "call_timings",
+    "call_costs",
     "step_times",
     "quantize",
     "with_step_times",
@@ -180,9 +183,11 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float, float]:
-    """Seconds, measured: (per checkpoint call per step, per op run under a selective policy, per tensor
-    saved inside a region: its pack hook in the forward and the recompute, its unpack in the backward)."""
+def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
+    """The steps `call_costs` derives the call costs from, seconds, the least of two passes (the first pass
+    in a process also pays one-off initialisation): `region`, one checkpoint region of TINY_OPS tiny ops;
+    `each`, a region per op; `selective`, the one region under a selective policy; `plain`, the ops
+    without checkpointing; `forward`, their forward alone."""
     device = torch.device(device)
     sync = _sync_for(device)
     x = torch.randn(8, device=device, requires_grad=True)
@@ -211,22 +216,36 @@ def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float, fl
             chain, t, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
         )
 
-    def once() -> tuple[float, float, float]:
-        # TINY_OPS regions against one region of the same ops: the same recompute, TINY_OPS - 1 more calls.
-        region = _timed(step(one), sync)
-        per_call = max(0.0, (_timed(step(each), sync) - region) / (TINY_OPS - 1))
-        per_op = max(0.0, (_timed(step(one_selective), sync) - region) / (2 * TINY_OPS))
-        # One region against no checkpointing: one call, the recompute of the chain, and the hooks on
-        # each of its TINY_OPS saved tensors.
-        plain = _timed(step(chain), sync)
-        forward = _timed(lambda: chain(x), sync)
-        per_saved = max(0.0, (region - plain - forward - per_call) / TINY_OPS)
-        return per_call, per_op, per_saved
+    def once() -> dict[str, float]:
+        return {
+            "region": _timed(step(one), sync),
+            "each": _timed(step(each), sync),
+            "selective": _timed(step(one_selective), sync),
+            "plain": _timed(step(chain), sync),
+            "forward": _timed(lambda: chain(x), sync),
+        }
 
-    # Twice, the least of each: the first pass in a process also pays one-off initialisation.
     first, second = once(), once()
     x.grad = None
-    return tuple(quantize(min(a, b)) for a, b in zip(first, second))
+    return {k: min(first[k], second[k]) for k in first}
+
+
+def call_costs(t: dict[str, float]) -> tuple[float, float, float]:
+    """Seconds, from `call_timings`: (per checkpoint call per step, per op run under a selective policy,
+    per tensor saved inside a region: its pack hook in the forward and the recompute, its unpack in the
+    backward)."""
+    # TINY_OPS regions against one region of the same ops: the same recompute, TINY_OPS - 1 more calls.
+    per_call = max(0.0, (t["each"] - t["region"]) / (TINY_OPS - 1))
+    per_op = max(0.0, (t["selective"] - t["region"]) / (2 * TINY_OPS))
+    # One region against no checkpointing: one call, the recompute of the chain, and the hooks on each of
+    # its TINY_OPS saved tensors.
+    per_saved = max(0.0, (t["region"] - t["plain"] - t["forward"] - per_call) / TINY_OPS)
+    return quantize(per_call), quantize(per_op), quantize(per_saved)
+
+
+def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float, float]:
+    """`call_costs` measured now on `device`, seconds."""
+    return call_costs(call_timings(device))
 
 
 def _loss(out: Any) -> torch.Tensor | None:
@@ -292,77 +311,87 @@ def with_step_times(
     fresh allocations, a loaded machine). Every node's time is scaled by it (rounded to the time
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
 
-    `timing_store`: with fitted times, the figures are kept in the device's timing store under the
-    graph's signature; a graph already there keeps its calibration, and its step times take the
-    lowest run yet (planner.timing_store).
+    `timing_store`: with fitted times, the step timings are kept in the device's timing store under the
+    graph's signature: the calibration's three side by side, as one snapshot that heals whole when a
+    run measures it clearly faster; the eager and graph steps at the lowest run yet (planner.timing_store).
+    The figures are derived from what the store holds, so a run the machine's load slowed down plans
+    as the stored runs did.
     """
     if cost.time_source == "flops":
         return cost
     device = torch.device(cost.device)
     store = open_store(device, timing_store and cost.time_source == "fitted")
     key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
-    measured = _measured_step(cost, model, graph, args, kwargs, device, calibrate)
-    stored = store.get("graphs", key)
+    measured = _measured_step(model, graph, args, kwargs, device, _calibration_plan(cost) if calibrate else ())
     if measured:  # a step that could not be run is tried again next time
-        # The calibration ratios are the first run's (plans repeat); the two step times take the
-        # lowest run yet (they move every plan's predicted step alike, so no plan changes).
-        stored = store.put("graphs", key, {k: measured[k] for k in ("recompute_scale", "op_overhead_s") if k in measured})
         for name in ("step_time_s", "graph_step_s"):
             store.settle("steps", f"{key}|{name}", measured[name], 1.0)
+        if "checkpointed" in measured:
+            store.settle("graphs", key, {k: measured[k] for k in CALIBRATION_STEPS}, HEAL)
         store.save()
-    if stored is None:
-        return cost
     step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
-    graph_s = max(0.0, float(store.get("steps", f"{key}|graph_step_s") or 0.0) - step_s)
-    scale = float(stored.get("recompute_scale", 1.0))
     if step_s <= 0:
         return cost
+    graph_s = max(0.0, float(store.get("steps", f"{key}|graph_step_s") or 0.0) - step_s)
     cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
-    if "op_overhead_s" in stored:
-        cost = replace(cost, op_overhead_s=float(stored["op_overhead_s"]))
-    if scale <= 0 or scale == 1.0:
+    snapshot = store.get("graphs", key) if calibrate else None
+    if not isinstance(snapshot, dict) or set(snapshot) != set(CALIBRATION_STEPS):
+        return cost
+    scale, op_s = _calibration(cost, {k: float(v) for k, v in snapshot.items()})
+    if op_s is not None:
+        cost = replace(cost, op_overhead_s=op_s)
+    if scale == 1.0:
         return cost
     nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
     return replace(cost, nodes=nodes, recompute_scale=scale)
 
 
+CALIBRATION_STEPS = ("graph", "checkpointed", "caching_nothing")
+"""The calibration's steps, timed side by side: the captured graph, the graph checkpointed per block, and
+the same regions under a selective policy that keeps nothing."""
+
+
+def _calibration(cost: CostGraph, steps: dict[str, float]) -> tuple[float, float | None]:
+    """(recompute scale, selective policy's cost per op or None) from the calibration's step times."""
+    from .solvers import simulate
+
+    regions = _calibration_plan(cost)
+    problem = cost.to_problem()
+    sim = simulate(problem, regions)
+    scale = 1.0
+    nodes_s = sim.recompute_time - sim.call_time - sim.hook_time
+    if nodes_s > 0:
+        extra = steps["checkpointed"] - steps["graph"] - (sim.recompute_time - nodes_s)
+        scale = min(4.0, max(0.5, quantize(extra / nodes_s)))
+    # The same regions under a selective policy that keeps nothing: the same recompute, plus the
+    # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
+    ops = sum(problem.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
+    if ops <= 0 or steps["caching_nothing"] <= 0:
+        return scale, None
+    return scale, max(0.0, steps["caching_nothing"] - steps["checkpointed"]) / (2 * ops)
+
+
 def _measured_step(
-    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
-    calibrate: bool,
+    model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
+    regions: tuple[tuple[int, int], ...],
 ) -> dict[str, float]:
-    """with_step_times' figures, measured this run: the eager and graph steps, the recompute scale and the
-    selective policy's cost per op."""
+    """with_step_times' step timings, measured this run: the eager and graph steps and, with `regions`, the
+    calibration's (CALIBRATION_STEPS)."""
     checked: tuple[torch.nn.Module, ...] = ()
-    regions: tuple[tuple[int, int], ...] = ()
-    if calibrate:
+    if regions:
         try:
             from .rewrite import rewrite
 
-            regions = _calibration_plan(cost)
-            if regions:
-                checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
+            checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
         except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
-            checked, regions = (), ()
+            checked = ()
     times = step_times(model, graph, args, kwargs, device, *checked)
     eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
         return {}
-    out = {"step_time_s": eager_s, "graph_step_s": graph_s, "recompute_scale": 1.0}
-    if not checked:
-        return out
-    from .solvers import simulate
-
-    problem = cost.to_problem()
-    sim = simulate(problem, regions)
-    nodes_s = sim.recompute_time - sim.call_time - sim.hook_time
-    if nodes_s > 0:
-        extra = times[2] - graph_s - (sim.recompute_time - nodes_s)
-        out["recompute_scale"] = min(4.0, max(0.5, quantize(extra / nodes_s)))
-    # The same regions under a selective policy that keeps nothing: the same recompute, plus the
-    # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
-    ops = sum(problem.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
-    if ops > 0 and times[3] > 0:
-        out["op_overhead_s"] = max(0.0, times[3] - times[2]) / (2 * ops)
+    out = {"step_time_s": eager_s, "graph_step_s": graph_s}
+    if checked:
+        out.update(zip(CALIBRATION_STEPS, (graph_s, times[2], times[3])))
     return out
 
 
@@ -428,10 +457,7 @@ def finish_profile(
     if anchor:
         cost = anchor_times(cost, store)
     if overheads and device.type != "meta" and cost.time_source != "flops":
-        stored = store.get("overheads", "call")
-        if stored is None:
-            stored = store.put("overheads", "call", list(call_overheads(device)))
-        region_s, op_s, saved_s = (float(v) for v in stored)
+        region_s, op_s, saved_s = call_costs(store.settle("overheads", "call", call_timings(device), HEAL))
         cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s, saved_overhead_s=saved_s)
     store.save()
     return cost

@@ -3,16 +3,18 @@ the same plan.
 
 Measured node times follow the machine's load: two profiles of one model on a busy machine can
 differ by several times, and near-equal plans swap places. The store keeps, per device, the fitted
-time of each op on given sizes (timing.anchor_times), the checkpoint call costs
-(timing.call_overheads), and per captured graph the calibration of a real step
-(timing.with_step_times). The first profile that meets an entry measures it and stores it; every
-later one reads it, so the plan is a function of the model, the inputs and the budget alone. Ratios
-(the calibration, the call costs) are never overwritten: two processes that measure one keep the
-first. Times measured directly (an op's time, a whole step) heal: a later run that measures one
-clearly lower (a first run that load slowed down; load only ever adds time) replaces it, so a bad
-first profile does not stay. For node times "clearly" is two steps of the time grid (x0.71), beyond
-the one-step flicker of quiet runs, so the plan stays put; step times are plan-neutral and take any
-lower figure.
+time of each op on given sizes (timing.anchor_times), the timings the checkpoint call costs are
+derived from (timing.call_timings), and per captured graph the step times its calibration is derived
+from (timing.with_step_times). The first profile that meets an entry measures it and stores it; every
+later one reads it, so the plan is a function of the model, the inputs and the budget alone.
+
+Every entry is a time measured directly, or a snapshot of times measured side by side in one run,
+and load only ever adds time: a later run that measures one clearly lower (a first run that load
+slowed down) replaces it, so a bad first profile does not stay. A snapshot heals whole, by its total,
+so that the differences taken between its times (a call's cost, the calibration) always come from one
+run. For node times and snapshots "clearly" is two steps of the time grid (x0.71), beyond the one-step
+flicker of quiet runs, so the plan stays put; the eager and graph step times are plan-neutral and take
+any lower figure.
 
 Where: the directory `$CKPT_PLANNER_TIMINGS` names, else `$XDG_CACHE_HOME/ckpt-planner`, else
 `~/.cache/ckpt-planner`; one JSON file per device, torch version and thread count.
@@ -37,7 +39,7 @@ import torch
 __all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
 
 STORE_ENV = "CKPT_PLANNER_TIMINGS"
-FORMAT = 3
+FORMAT = 4
 _OFF = {"off", "0", "no", "false", "none"}
 
 
@@ -78,35 +80,28 @@ def _cpu_model() -> str:
 
 
 class TimingStore:
-    """One device's stored times: ops (fitted node times by op key), overheads (checkpoint call costs),
-    graphs (per graph signature, the step calibration) and steps (per graph, its eager and graph step).
-    Reads at construction; `save` merges what this run added into the file as it is then, keeping the
-    entries already there (a healed time replaces a higher one)."""
+    """One device's stored times: ops (fitted node times by op key), overheads (the call-cost timings),
+    graphs (per graph signature, the calibration's step timings) and steps (per graph, its eager and
+    graph step). Reads at construction; `save` merges what this run added into the file as it is then,
+    keeping the entries already there unless this run's heal them."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.data = _read(path) if path is not None else _empty()
-        self._added: dict[str, dict[str, tuple[Any, bool]]] = _empty()  # key -> (value, healed)
+        self._added: dict[str, dict[str, tuple[Any, float]]] = _empty()  # key -> (value, heal)
 
     def get(self, table: str, key: str) -> Any:
         return self.data[table].get(key)
 
-    def put(self, table: str, key: str, value: Any) -> Any:
-        """Store `value` unless the key is already there; returns the stored value."""
-        if key in self.data[table]:
-            return self.data[table][key]
+    def settle(self, table: str, key: str, value: Timing, heal: float) -> Timing:
+        """A time measured directly, or a snapshot of times measured in one run ({name: seconds}): the
+        stored one, unless this one is at most `heal` times it (by its total: a measurement that load
+        inflated), which replaces it whole. Returns what is now stored."""
+        old = _comparable(self.data[table].get(key), value)
+        if old is not None and not _total(value) <= heal * _total(old):
+            return old
         self.data[table][key] = value
-        self._added[table][key] = (value, False)
-        return value
-
-    def settle(self, table: str, key: str, value: float, heal: float) -> float:
-        """A time measured directly (a loaded machine only ever adds to it): the stored one, unless this
-        one is at most `heal` times it (a first measurement that load inflated), which replaces it."""
-        old = self.data[table].get(key)
-        if old is not None and not value <= heal * float(old):
-            return float(old)
-        self.data[table][key] = value
-        self._added[table][key] = (value, True)
+        self._added[table][key] = (value, heal)
         return value
 
     def save(self) -> None:
@@ -116,10 +111,10 @@ class TimingStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             current = _read(self.path)
             for table, entries in self._added.items():
-                for key, (value, healed) in entries.items():
-                    there = current[table].get(key)
-                    if there is None or (healed and value < float(there)):
-                        current[table][key] = value  # a new entry, or a time that settle() healed
+                for key, (value, heal) in entries.items():
+                    there = _comparable(current[table].get(key), value)
+                    if there is None or _total(value) <= heal * _total(there):
+                        current[table][key] = value  # new, or healed against what another run stored
             fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
             try:
                 with os.fdopen(fd, "w") as f:
@@ -132,6 +127,26 @@ class TimingStore:
             self._added = _empty()
         except OSError:
             pass  # a read-only home or full disk: this run's plan stands on its own measurements
+
+
+Timing = float | dict[str, float]
+
+
+def _total(value: Timing) -> float:
+    return float(sum(value.values())) if isinstance(value, dict) else float(value)
+
+
+def _comparable(stored: Any, value: Timing) -> Timing | None:
+    """`stored` when it has `value`'s shape (a number, or a snapshot of the same names), else None: an
+    entry some other version wrote is measured again."""
+    if isinstance(value, dict):
+        ok = isinstance(stored, dict) and set(stored) == set(value)
+        return {k: float(v) for k, v in stored.items()} if ok and all(_number(v) for v in stored.values()) else None
+    return float(stored) if _number(stored) else None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 def _empty() -> dict[str, dict[str, Any]]:
