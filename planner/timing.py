@@ -312,8 +312,8 @@ def with_step_times(
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
 
     `timing_store`: with fitted times, the step timings are kept in the device's timing store under the
-    graph's signature: the calibration's three side by side, as one snapshot that heals whole when a
-    run measures it clearly faster; the eager and graph steps at the lowest run yet (planner.timing_store).
+    graph's signature: the calibration's three side by side, with what the profile predicted for them,
+    as one snapshot that heals whole when a run measures it clearly faster; the eager and graph steps at the lowest run yet (planner.timing_store).
     The figures are derived from what the store holds, so a run the machine's load slowed down plans
     as the stored runs did.
     """
@@ -327,7 +327,7 @@ def with_step_times(
         for name in ("step_time_s", "graph_step_s"):
             store.settle("steps", f"{key}|{name}", measured[name], 1.0)
         if "checkpointed" in measured:
-            store.settle("graphs", key, {k: measured[k] for k in CALIBRATION_STEPS}, HEAL)
+            store.settle("graphs", key, {**{k: measured[k] for k in CALIBRATION_STEPS[:3]}, **_predicted(cost)}, HEAL)
         store.save()
     step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
     if step_s <= 0:
@@ -337,7 +337,7 @@ def with_step_times(
     snapshot = store.get("graphs", key) if calibrate else None
     if not isinstance(snapshot, dict) or set(snapshot) != set(CALIBRATION_STEPS):
         return cost
-    scale, op_s = _calibration(cost, {k: float(v) for k, v in snapshot.items()})
+    scale, op_s = _calibration(cost, snapshot)
     if op_s is not None:
         cost = replace(cost, op_overhead_s=op_s)
     if scale == 1.0:
@@ -346,29 +346,35 @@ def with_step_times(
     return replace(cost, nodes=nodes, recompute_scale=scale)
 
 
-CALIBRATION_STEPS = ("graph", "checkpointed", "caching_nothing")
-"""The calibration's steps, timed side by side: the captured graph, the graph checkpointed per block, and
-the same regions under a selective policy that keeps nothing."""
+CALIBRATION_STEPS = ("graph", "checkpointed", "caching_nothing", "recomputed", "calls")
+"""A calibration snapshot (seconds): the steps timed side by side (the captured graph, the graph
+checkpointed per block, the same regions under a selective policy that keeps nothing) and what that
+run's profile predicted for the checkpointed one (its recomputed nodes; its calls and hooks). The
+figures come from the snapshot alone, so a node time or call cost that heals later moves no plan."""
 
 
-def _calibration(cost: CostGraph, steps: dict[str, float]) -> tuple[float, float | None]:
-    """(recompute scale, selective policy's cost per op or None) from the calibration's step times."""
+def _predicted(cost: CostGraph) -> dict[str, float]:
+    """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
     from .solvers import simulate
 
-    regions = _calibration_plan(cost)
-    problem = cost.to_problem()
-    sim = simulate(problem, regions)
+    sim = simulate(cost.to_problem(), _calibration_plan(cost))
+    calls = sim.call_time + sim.hook_time
+    return {"recomputed": sim.recompute_time - calls, "calls": calls}
+
+
+def _calibration(cost: CostGraph, snap: dict[str, float]) -> tuple[float, float | None]:
+    """(recompute scale, selective policy's cost per op or None) from a calibration snapshot."""
     scale = 1.0
-    nodes_s = sim.recompute_time - sim.call_time - sim.hook_time
-    if nodes_s > 0:
-        extra = steps["checkpointed"] - steps["graph"] - (sim.recompute_time - nodes_s)
-        scale = min(4.0, max(0.5, quantize(extra / nodes_s)))
+    if snap["recomputed"] > 0:
+        extra = snap["checkpointed"] - snap["graph"] - snap["calls"]
+        scale = min(4.0, max(0.5, quantize(extra / snap["recomputed"])))
     # The same regions under a selective policy that keeps nothing: the same recompute, plus the
     # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
-    ops = sum(problem.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
-    if ops <= 0 or steps["caching_nothing"] <= 0:
+    problem = cost.to_problem()
+    ops = sum(problem.nodes[i].dispatch_ops for s, e in _calibration_plan(cost) for i in range(s, e + 1))
+    if ops <= 0 or snap["caching_nothing"] <= 0:
         return scale, None
-    return scale, max(0.0, steps["caching_nothing"] - steps["checkpointed"]) / (2 * ops)
+    return scale, max(0.0, snap["caching_nothing"] - snap["checkpointed"]) / (2 * ops)
 
 
 def _measured_step(
@@ -376,7 +382,7 @@ def _measured_step(
     regions: tuple[tuple[int, int], ...],
 ) -> dict[str, float]:
     """with_step_times' step timings, measured this run: the eager and graph steps and, with `regions`, the
-    calibration's (CALIBRATION_STEPS)."""
+    calibration's three steps (CALIBRATION_STEPS)."""
     checked: tuple[torch.nn.Module, ...] = ()
     if regions:
         try:
@@ -391,7 +397,7 @@ def _measured_step(
         return {}
     out = {"step_time_s": eager_s, "graph_step_s": graph_s}
     if checked:
-        out.update(zip(CALIBRATION_STEPS, (graph_s, times[2], times[3])))
+        out.update(zip(CALIBRATION_STEPS[:3], (graph_s, times[2], times[3])))
     return out
 
 

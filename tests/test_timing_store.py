@@ -100,6 +100,24 @@ def test_a_first_profile_that_load_slowed_down_heals_on_a_quiet_run(tmp_path, mo
     assert [getattr(again, f) for f in figures] == [getattr(quiet, f) for f in figures]
 
 
+def test_node_times_that_heal_later_leave_the_calibration_alone(tmp_path, monkeypatch):
+    """The calibration's figures come from its snapshot alone: node times stored lower afterwards (as a heal
+    does) are read, and the recompute scale and the policy's cost per op stay those of the snapshot."""
+    monkeypatch.setenv(STORE_ENV, str(tmp_path))
+    model, cap = _tiny()
+    config = ProfileConfig(warmup=0, repeats=1)
+    first = _profiled(model, cap, config)
+    assert first.recompute_scale != 1.0 or first.op_overhead_s > 0
+    path = next(tmp_path.glob("*.json"))
+    data = json.loads(path.read_text())
+    data["ops"] = {k: v / 4 for k, v in data["ops"].items()}
+    path.write_text(json.dumps(data))
+    _loaded(monkeypatch, LOAD)  # nothing this run measures heals
+    again = _profiled(model, cap, config)
+    assert (again.recompute_scale, again.op_overhead_s) == (first.recompute_scale, first.op_overhead_s)
+    assert [b.time for b in again.nodes] == [a.time / 4 for a in first.nodes]
+
+
 def test_a_snapshot_heals_whole_so_its_differences_come_from_one_run(tmp_path):
     """The call costs and the calibration are differences between side-by-side timings: a snapshot is
     replaced only whole, never one of its times on its own."""
