@@ -61,11 +61,14 @@ class Chain(nn.Module):
 
 
 def _hf_per_block(model: nn.Module) -> nn.Module:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-_HF_HOW = "HF gradient_checkpointing_enable(use_reentrant=False): every transformer layer"
+_HF_HOW = "HF activation_checkpointing_enable (gradient_checkpointing_enable before it), use_reentrant=False: every transformer layer"
 _NOT_SEQ = "n/a: the layers take masks / position embeddings besides the hidden state, not a plain chain"
 
 # scale -> sizes; "full" are the real architectures' shapes.

@@ -325,6 +325,21 @@ def test_hf_gradient_checkpointing_is_the_baseline():
     assert model.transformer.h[0].gradient_checkpointing  # the model keeps its own flag
 
 
+def test_hf_activation_checkpointing_every_n_layers_is_seen_per_layer():
+    """transformers' newer `activation_checkpointing_enable(every_n_layers=2)` flags every other layer:
+    the capture finds exactly the flagged ones."""
+    from tests.models import hf_gpt2
+
+    model, inputs = hf_gpt2()
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip("this transformers has no activation_checkpointing_enable")
+    model.activation_checkpointing_enable(every_n_layers=2)
+    flagged = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) and n.startswith("transformer.h.")]
+    assert flagged == ["transformer.h.0"]
+    planner = Planner(model, inputs, profile_config=FAST)
+    assert [c.module for c in planner.capture.own_checkpoints] == flagged
+
+
 # -- verify names what differs ---------------------------------------------------------------------
 
 
