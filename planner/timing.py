@@ -113,7 +113,13 @@ def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph
     typical.update(estimated_times(cost, groups, typical, doubtful))
     typical = {key: quantize(t) for key, t in typical.items()}
     if store is not None:
-        typical = {key: store.settle("ops", key, t, HEAL) for key, t in typical.items()}
+        for key, t in typical.items():
+            stored = store.get("ops", key)
+            if key in doubtful and stored is not None:  # an estimate heals nothing: the stored time stands
+                typical[key] = float(stored)
+                doubtful.discard(key)
+            else:
+                typical[key] = store.settle("ops", key, t, HEAL)
     fitted = tuple(replace(n, time=typical[key], time_estimated=key in doubtful) for n, key in zip(nodes, keys))
     return replace(cost, nodes=fitted, time_source="fitted")
 

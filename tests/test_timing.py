@@ -8,6 +8,7 @@ import torch
 from ckpt_planner import ProfileConfig, capture, profile
 from ckpt_planner.examples import TinyGPT
 from ckpt_planner.timing import DISAGREE, anchor_times, op_key, quantize
+from ckpt_planner.timing_store import TimingStore
 
 PER_FLOP = 1e-12  # seconds: the machine these hand-set times describe
 PER_BYTE = 1e-10
@@ -99,3 +100,18 @@ def test_a_key_disagrees_by_its_median_node(raw):
     most = anchor_times(_disturbed(raw, lambda n: n.name in layers[1:], typical=8.0, fastest=1 / 8))
     assert not any(n.time_estimated for n in one.nodes)
     assert {n.name for n in most.nodes if n.time_estimated} == set(layers)
+
+
+def test_an_estimate_heals_no_stored_time_but_an_agreeing_run_does(raw, tmp_path):
+    """With the timing store: a key stored at 4x its true time (a loaded first run whose runs agreed) keeps
+    that time on a run whose runs disagree, though the estimate is lower; a run that agrees heals it."""
+    key = _key_of(raw, "Linear")
+    mine = lambda n: op_key(raw, n) == key  # noqa: E731
+    store = TimingStore(tmp_path / "timings-x.json")
+    anchor_times(_disturbed(raw, mine, typical=4.0, fastest=4.0), store)
+    doubtful = anchor_times(_disturbed(raw, mine, typical=8.0, fastest=1 / 8), store)
+    agreeing = anchor_times(raw, store)
+    for a, d, g in zip(raw.nodes, doubtful.nodes, agreeing.nodes):
+        if mine(a):
+            assert d.time == quantize(4.0 * a.time) and not d.time_estimated
+            assert g.time == quantize(a.time)
