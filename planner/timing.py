@@ -299,9 +299,12 @@ def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
     from .solvers.costs import trim_flat_regions
     from .solvers.selective import block_regions
 
-    problem = cost.to_problem()
-    regions = block_regions(problem)
-    return regions if regions else trim_flat_regions(problem, uniform(problem).regions)
+    try:
+        problem = cost.to_problem()
+        regions = block_regions(problem)
+        return regions if regions else trim_flat_regions(problem, uniform(problem).regions)
+    except Exception:  # noqa: BLE001 - no calibration for a graph these cannot split: planned without it
+        return ()
 
 
 def with_step_times(
@@ -318,10 +321,10 @@ def with_step_times(
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
 
     `timing_store`: with fitted times, the step timings are kept in the device's timing store under the
-    graph's signature: the calibration's three side by side, with what the profile predicted for them,
-    as one snapshot that heals whole when a run measures it clearly faster; the eager and graph steps at the lowest run yet (planner.timing_store).
-    The figures are derived from what the store holds, so a run the machine's load slowed down plans
-    as the stored runs did.
+    graph's signature (planner.timing_store): the calibration's three steps side by side, with what the
+    profile predicted for them, as one snapshot that heals whole when a run measures it clearly faster;
+    the eager and graph steps at the lowest run yet. The figures are derived from what the store holds,
+    so a run that the machine's load slowed down plans as the stored runs did.
     """
     if cost.time_source == "flops":
         return cost
@@ -342,6 +345,8 @@ def with_step_times(
     cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
     snapshot = store.get("graphs", key) if calibrate else None
     if not isinstance(snapshot, dict) or set(snapshot) != set(CALIBRATION_STEPS):
+        return cost
+    if not all(isinstance(v, (int, float)) for v in snapshot.values()):  # a file edited by hand
         return cost
     scale, op_s = _calibration(cost, snapshot)
     if op_s is not None:
