@@ -110,7 +110,9 @@ def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph
         key for key, ns in groups.items()
         if all(n.time_min > 0 for n in ns) and statistics.median(n.time / n.time_min for n in ns) > DISAGREE
     }
-    typical.update(estimated_times(cost, groups, typical, doubtful))
+    estimates = estimated_times(cost, groups, typical, doubtful)
+    typical.update(estimates)
+    doubtful = set(estimates)  # with no op whose runs agree there is nothing to estimate by: measured times stand
     typical = {key: quantize(t) for key, t in typical.items()}
     if store is not None:
         for key, t in typical.items():
@@ -138,9 +140,9 @@ def estimated_times(
     cost: CostGraph, groups: dict[str, list[NodeCost]], typical: dict[str, float], doubtful: set[str]
 ) -> dict[str, float]:
     """The FLOP/bytes estimate of each doubtful key (seconds): its work at the median seconds per FLOP
-    (or per byte) of the trusted keys of the same op, else of every trusted key doing that kind of work;
-    a key with no work to scale by takes the median of the trusted keys of its op, else the fastest
-    trusted key (the dispatch floor). Held between the key's fastest run and its typical one: load only
+    (or per byte) of the trusted keys of the same op, else of every trusted key doing that kind of work
+    (none such: no estimate); a key with no work to scale by takes the median of the trusted keys of its
+    op, else the fastest trusted key (the dispatch floor). Held between the key's fastest run and its typical one: load only
     adds time, so the fastest run is reachable, and the typical one already counts the load."""
     trusted = [k for k in typical if k not in doubtful and typical[k] > 0]
     if not doubtful or not trusted:
@@ -162,7 +164,9 @@ def estimated_times(
         unit, amount = work[key]
         if amount > 0:
             per = rate(unit, kind[key]) or rate(unit, None)
-            guess = max(floor, per * amount) if per is not None else typical[key]
+            if per is None:  # no op doing this kind of work agreed: its measured time stands
+                continue
+            guess = max(floor, per * amount)
         else:
             same = [typical[k] for k in trusted if kind[k] == kind[key]]
             guess = statistics.median(same) if same else floor
@@ -331,12 +335,14 @@ def with_step_times(
     device = torch.device(cost.device)
     store = open_store(device, timing_store and cost.time_source == "fitted")
     key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
-    measured = _measured_step(model, graph, args, kwargs, device, _calibration_plan(cost) if calibrate else ())
+    regions = _calibration_plan(cost) if calibrate else ()
+    measured = _measured_step(model, graph, args, kwargs, device, regions)
     if measured:  # a step that could not be run is tried again next time
         for name in ("step_time_s", "graph_step_s"):
             store.settle("steps", f"{key}|{name}", measured[name], 1.0)
         if "checkpointed" in measured:
-            store.settle("graphs", key, {**{k: measured[k] for k in CALIBRATION_STEPS[:3]}, **_predicted(cost)}, HEAL)
+            predicted = _predicted(cost, regions)
+            store.settle("graphs", key, {**{k: measured[k] for k in CALIBRATION_STEPS[:3]}, **predicted}, HEAL)
         store.save()
     step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
     if step_s <= 0:
@@ -348,7 +354,7 @@ def with_step_times(
         return cost
     if not all(isinstance(v, (int, float)) for v in snapshot.values()):  # a file edited by hand
         return cost
-    scale, op_s = _calibration(cost, snapshot)
+    scale, op_s = _calibration(cost, regions, snapshot)
     if op_s is not None:
         cost = replace(cost, op_overhead_s=op_s)
     if scale == 1.0:
@@ -364,25 +370,26 @@ run's profile predicted for the checkpointed one (its recomputed nodes; its call
 figures come from the snapshot alone, so a node time or call cost that heals later moves no plan."""
 
 
-def _predicted(cost: CostGraph) -> dict[str, float]:
+def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[str, float]:
     """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
     from .solvers import simulate
 
-    sim = simulate(cost.to_problem(), _calibration_plan(cost))
+    sim = simulate(cost.to_problem(), regions)
     calls = sim.call_time + sim.hook_time
     return {"recomputed": sim.recompute_time - calls, "calls": calls}
 
 
-def _calibration(cost: CostGraph, snap: dict[str, float]) -> tuple[float, float | None]:
-    """(recompute scale, selective policy's cost per op or None) from a calibration snapshot."""
+def _calibration(
+    cost: CostGraph, regions: tuple[tuple[int, int], ...], snap: dict[str, float]
+) -> tuple[float, float | None]:
+    """(recompute scale, selective policy's cost per op or None) from a calibration snapshot of `regions`."""
     scale = 1.0
     if snap["recomputed"] > 0:
         extra = snap["checkpointed"] - snap["graph"] - snap["calls"]
         scale = min(4.0, max(0.5, quantize(extra / snap["recomputed"])))
     # The same regions under a selective policy that keeps nothing: the same recompute, plus the
     # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
-    problem = cost.to_problem()
-    ops = sum(problem.nodes[i].dispatch_ops for s, e in _calibration_plan(cost) for i in range(s, e + 1))
+    ops = sum(cost.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
     if ops <= 0 or snap["caching_nothing"] <= 0:
         return scale, None
     return scale, max(0.0, snap["caching_nothing"] - snap["checkpointed"]) / (2 * ops)

@@ -316,6 +316,25 @@ def test_profile_a_users_model(work, capsys):
     assert code == 0 and out.strip().splitlines()[-1].startswith("total:")
 
 
+def test_profile_counts_the_nodes_timed_by_their_flops(work, capsys, monkeypatch):
+    """Where a node's timed runs disagree (here: the second Linear of every block reads 8x its fastest run),
+    profile counts the nodes whose time is the FLOP/bytes estimate instead."""
+    import importlib
+
+    from ckpt_planner.timing_store import STORE_ENV
+
+    monkeypatch.setenv(STORE_ENV, "off")  # a stored time would stand instead of the estimate
+    profile_mod = importlib.import_module("ckpt_planner.profile")
+    monkeypatch.setattr(
+        profile_mod, "robust_times", lambda s: {k: min(v) * (8.0 if k.endswith("_2") else 1.0) for k, v in s.items()}
+    )
+    code, out, err = run(["profile", f"{work}/factory.py:bare", "--input", "16,32", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["totals"]["estimated_nodes"] == 4
+    code, out, _ = run(["profile", f"{work}/factory.py:bare", "--input", "16,32"], capsys)
+    assert code == 0 and "4 from FLOPs/bytes, their runs disagreed" in out.strip().splitlines()[-1]
+
+
 def test_profile_usage_errors(work, capsys):
     code, _, err = run(["profile", f"{work}/factory.py:make", "--example", "cnn"], capsys)
     assert code == 2 and "give MODEL or --example" in err

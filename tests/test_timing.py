@@ -115,3 +115,23 @@ def test_an_estimate_heals_no_stored_time_but_an_agreeing_run_does(raw, tmp_path
         if mine(a):
             assert d.time == quantize(4.0 * a.time) and not d.time_estimated
             assert g.time == quantize(a.time)
+
+
+def test_with_no_op_whose_runs_agree_the_measured_times_stand(raw):
+    """Nothing to scale an estimate by: no node is marked estimated, and each keeps its typical run."""
+    fitted = anchor_times(_disturbed(raw, lambda n: True, typical=8.0, fastest=1 / 8))
+    assert not any(n.time_estimated for n in fitted.nodes)
+    assert [n.time for n in fitted.nodes] == [quantize(8.0 * a.time) for a in raw.nodes]
+
+
+def test_a_kind_of_work_no_agreeing_op_does_is_not_estimated(raw):
+    """Every memory-bound op disagrees: there is no seconds per byte to scale by, so they keep their typical
+    run and are not marked; a matmul-like op that disagrees is still estimated from the others' FLOPs."""
+    memory = lambda n: n.flops == 0 and n.out_bytes > 0  # noqa: E731
+    linear = _key_of(raw, "Linear")
+    fitted = anchor_times(_disturbed(raw, lambda n: memory(n) or op_key(raw, n) == linear, typical=8.0, fastest=1 / 8))
+    for a, b in zip(raw.nodes, fitted.nodes):
+        if memory(a):
+            assert not b.time_estimated and b.time == quantize(8.0 * a.time)
+        elif op_key(raw, a) == linear:
+            assert b.time_estimated and b.time == quantize(a.time)
