@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ckpt_planner.solvers as solvers  # noqa: E402
-from ckpt_planner.api import plan_from_solution  # noqa: E402
+from ckpt_planner.api import Planner, plan_from_solution  # noqa: E402
 from ckpt_planner.capture import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile import ProfileConfig, profile  # noqa: E402
@@ -185,10 +185,10 @@ def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: f
 
 
 def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (0.5, 0.75)) -> dict:
-    """A second capture and profile, solved at the same budget (the first of `fractions` of the
-    activations the first profile can meet): is the plan the same? Done twice: as optimize() does it,
-    reading the device's timing store the first profile filled, and from scratch with the store off
-    (every figure timed again), which shows what the store holds still."""
+    """optimize() twice (Planner: capture, profile, solve), from an empty timing store, at the same
+    budget (the first of `fractions` of the activations the profile can meet): is the plan the same?
+    And a third time from scratch with the store off (every figure timed again), which shows what the
+    store holds still."""
     base = solvers.simulate(problem, ()).peak_bytes
     fraction = fractions[-1]
     for f in fractions:
@@ -198,34 +198,39 @@ def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (
             continue
         fraction = f
         break
-    budget = int(problem.fixed_bytes + fraction * (base - problem.fixed_bytes))
 
-    def plan_of(prob):
+    def optimized(stored: bool):
         try:
-            sol = solvers.solve(prob, budget, solver)
-            return (tuple(map(tuple, sol.regions)), tuple(sol.saved))
+            plan = Planner(case.model, case.inputs, profile_config=ProfileConfig(timing_store=stored)).plan(
+                activation_budget=fraction, solver=solver)
         except (solvers.InfeasibleBudgetError, ValueError, RuntimeError) as e:
-            return ("error", str(e)[:120])
+            return ("error", str(e)[:120]), None
+        return (tuple(map(tuple, plan.spans())), tuple(plan.saved_indices())), plan
 
-    first = plan_of(problem)
+    before = os.environ.get(STORE_ENV)
+    os.environ[STORE_ENV] = tempfile.mkdtemp(prefix="ckpt-planner-twice-")
+    try:
+        first, plan1 = optimized(True)
+        runs = {"store": optimized(True), "scratch": optimized(False)}
+    finally:
+        if before is None:
+            os.environ.pop(STORE_ENV, None)
+        else:
+            os.environ[STORE_ENV] = before
     out = {"solver": solver, "activation_budget": fraction}
-    for label, stored in (("store", True), ("scratch", False)):
-        cap = capture(case.model, case.inputs)
-        cost = profile(cap, ProfileConfig(timing_store=stored))
-        again = with_step_times(cost, case.model, cap.graph_module, cap.args, cap.kwargs, timing_store=stored)
-        again = again.to_problem(name=case.name)
-        for p in case.model.parameters():
-            p.grad = None
-        second = plan_of(again)
-        times_equal = sum(a.time == b.time for a, b in zip(problem.nodes, again.nodes))
-        gap = None
-        if first[0] != "error" and second[0] != "error" and problem.base_step_s > 0:
-            # Both plans priced on the first profile: a difference between near-equal plans, or a worse one?
-            t1 = solvers.simulate(problem, first[0], saved=first[1]).recompute_time
-            t2 = solvers.simulate(problem, second[0], saved=second[1]).recompute_time
-            gap = (t2 - t1) / problem.base_step_s
+    for label, (second, plan2) in runs.items():
+        times_equal = gap = None
+        if plan1 is not None and plan2 is not None:
+            p1, p2 = plan1.problem, plan2.problem
+            times_equal = f"{sum(a.time == b.time for a, b in zip(p1.nodes, p2.nodes))} of {p1.n}"
+            if p1.base_step_s > 0:
+                # Both plans priced on the first run's figures: a difference between near-equal plans, or a worse one?
+                t1 = solvers.simulate(p1, first[0], saved=first[1]).recompute_time
+                t2 = solvers.simulate(p1, second[0], saved=second[1]).recompute_time
+                gap = (t2 - t1) / p1.base_step_s
         result = {"same_plan": first == second, "regions": [len(p[0]) if p[0] != "error" else None for p in (first, second)],
-                  "node_times_equal": f"{times_equal} of {problem.n}", "step_gap": gap}
+                  "node_times_equal": times_equal, "step_gap": gap,
+                  "kept_earlier_plan": plan2 is not None and any("kept the plan an earlier run chose" in n for n in plan2.notes)}
         if label == "store":
             out.update(result)
         else:

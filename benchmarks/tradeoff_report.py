@@ -328,16 +328,19 @@ def write_report(results: dict, out: Path) -> None:
         lines += _prediction_lines(model) + _batch_lines(model)
         det = model.get("determinism")
         if det:
-            lines += [f"A second capture and profile, solved with {det['solver']} at activation budget "
-                      f"{det['activation_budget']}:", ""]
-            for label, d in (("as optimize() runs it (times from the device's timing store)", det),
-                             ("from scratch, the timing store off (every figure timed again)", det.get("from_scratch"))):
+            lines += [f"optimize() twice from an empty timing store (capture, profile, solve), {det['solver']} at "
+                      f"activation budget {det['activation_budget']}:", ""]
+            for label, d in (("the second run as optimize() runs it (the store the first filled)", det),
+                             ("the second run from scratch, the timing store off (every figure timed again)",
+                              det.get("from_scratch"))):
                 if d is None:
                     continue
                 lines.append(f"- {label}: {'the same plan' if d['same_plan'] else 'DIFFERENT plans'} "
                              f"(regions {d['regions']}; node times equal: {d['node_times_equal']}"
                              + ("" if d.get("step_gap") is None else
                                 f"; the second plan priced on the first profile: {100 * d['step_gap']:+.1f} % of a step")
+                             + ("; the second run kept the first's plan, its own being within the band"
+                                if d.get("kept_earlier_plan") else "")
                              + ").")
             lines.append("")
         for key, t in a["targets"].items():

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from . import solvers
-from .budget import floor_plan, inner_budget, peak_detail, smallest_budget
+from .budget import budget_arg as _budget
+from .budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
 from .capture import capture
 from .distributed import check_sharding, shard_problem
 from .errors import CaptureError, InputError, UnplannableError
@@ -35,44 +36,11 @@ from .solution import (
 from .solvers import Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
+from .steady import plan_key, steady
 from .timing import with_step_times
+from .timing_store import open_store
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
-
-
-def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """Bytes of optimizer state for the model's trainable parameters.
-
-    optimizer: None/'none', 'sgd' (no momentum), 'sgd-momentum', 'adam', 'adamw',
-    or a torch.optim.Optimizer instance (Adam-like state is assumed for unknown classes).
-    """
-    if optimizer is None:
-        return 0
-    per_param = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-    if isinstance(optimizer, str):
-        key = optimizer.lower()
-        if key not in per_param:
-            raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(per_param)}")
-        states = per_param[key]
-    elif isinstance(optimizer, torch.optim.SGD):
-        states = 1 if optimizer.defaults.get("momentum", 0) else 0
-    else:
-        states = 2
-    return states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def _budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
-    if budget_gb is not None and budget_bytes is not None:
-        raise InputError("budget: give budget_gb or budget_bytes, not both")
-    if budget_gb is not None:
-        if budget_gb <= 0:
-            raise InputError(f"budget_gb: {budget_gb} must be positive")
-        return int(budget_gb * 1e9)
-    if budget_bytes is not None:
-        if budget_bytes <= 0:
-            raise InputError(f"budget_bytes: {budget_bytes} must be positive")
-        return int(budget_bytes)
-    return None
 
 
 def _with_progress(fn: Callable[..., Plan]) -> Callable[..., Plan]:
@@ -454,6 +422,15 @@ class Planner:
             self._floors[key] = floor_plan(self.problem, solver, options, lambda r: self._finish(r, keep), extra)
         return self._floors[key]
 
+    def _steady(self, solution: Solution, inner: int, solver: str, options: dict[str, Any], keep: bool):
+        """The plan an earlier run chose for this graph and budget where the new one does not clearly beat
+        it (planner.steady); measured times only: FLOP times repeat by themselves."""
+        if self.cost.time_source != "fitted":
+            return solution, []
+        config = self._settings["profile_config"] or ProfileConfig()
+        store = open_store(self.cost.device, config.timing_store)
+        return steady(self.problem, solution, inner, plan_key(self.problem, inner, solver, options, keep), store)
+
     def _solve(
         self, budget: int | None, solver: str, options: dict[str, Any], margin: float, keep: bool
     ) -> tuple[Solution, list[str]]:
@@ -498,7 +475,8 @@ class Planner:
                 if attempt:
                     moved.append(f"re-solved {attempt}x at a lower internal budget: moved regions had left it over")
                 solution = with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
-                return solution, moved
+                solution, kept = self._steady(solution, inner, solver, options, keep)
+                return solution, moved + kept
             target -= peak - inner
             if target <= fixed:
                 break

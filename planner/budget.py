@@ -22,10 +22,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from .errors import InputError
 from .solvers import Problem, simulate
 from .solvers.registry import get_solver
 
-__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail"]
+__all__ = ["optimizer_state_bytes", "budget_arg", "inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -109,3 +112,39 @@ def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str
             "itself, and a recompute holds them again"
         )
     return text
+
+
+def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:
+    """Bytes of optimizer state for the model's trainable parameters.
+
+    optimizer: None/'none', 'sgd' (no momentum), 'sgd-momentum', 'adam', 'adamw',
+    or a torch.optim.Optimizer instance (Adam-like state is assumed for unknown classes).
+    """
+    if optimizer is None:
+        return 0
+    per_param = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in per_param:
+            raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(per_param)}")
+        states = per_param[key]
+    elif isinstance(optimizer, torch.optim.SGD):
+        states = 1 if optimizer.defaults.get("momentum", 0) else 0
+    else:
+        states = 2
+    return states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def budget_arg(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """The budget in bytes from `budget_gb` or `budget_bytes` (at most one), or None."""
+    if budget_gb is not None and budget_bytes is not None:
+        raise InputError("budget: give budget_gb or budget_bytes, not both")
+    if budget_gb is not None:
+        if budget_gb <= 0:
+            raise InputError(f"budget_gb: {budget_gb} must be positive")
+        return int(budget_gb * 1e9)
+    if budget_bytes is not None:
+        if budget_bytes <= 0:
+            raise InputError(f"budget_bytes: {budget_bytes} must be positive")
+        return int(budget_bytes)
+    return None

@@ -8,6 +8,10 @@ derived from (timing.call_timings), and per captured graph the step times its ca
 from (timing.with_step_times). The first profile that meets an entry measures it and stores it; every
 later one reads it, so the plan is a function of the model, the inputs and the budget alone.
 
+It also keeps, per graph and budget, the plan the last run chose (`plans`): a later run keeps that
+plan unless its own solve beats it, on this run's figures, by more than a measurement can tell apart
+(planner.steady). A heal that moves a near-equal plan ahead then leaves the plan alone.
+
 Every entry is a time measured directly, or a snapshot of times measured side by side in one run,
 and load only ever adds time: a later run that measures one clearly lower (a first run that load
 slowed down) replaces it, so a bad first profile does not stay. A snapshot heals whole, by its total,
@@ -82,13 +86,14 @@ def _cpu_model() -> str:
 class TimingStore:
     """One device's stored times: ops (fitted node times by op key), overheads (the call-cost timings),
     graphs (per graph signature, the calibration's step timings) and steps (per graph, its eager and
-    graph step). Reads at construction; `save` merges what this run added into the file as it is then,
-    keeping the entries already there unless this run's heal them."""
+    graph step); and plans (per graph and budget, the plan last chosen). Reads at construction; `save`
+    merges what this run added into the file as it is then, keeping the times already there unless this
+    run's heal them; a plan this run chose replaces the one there."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.data = _read(path) if path is not None else _empty()
-        self._added: dict[str, dict[str, tuple[Any, float]]] = _empty()  # key -> (value, heal)
+        self._added: dict[str, dict[str, tuple[Any, float | None]]] = _empty()  # key -> (value, heal or None: kept)
 
     def get(self, table: str, key: str) -> Any:
         return self.data[table].get(key)
@@ -104,6 +109,11 @@ class TimingStore:
         self._added[table][key] = (value, heal)
         return value
 
+    def keep(self, table: str, key: str, value: Any) -> None:
+        """Store `value` (JSON) under `key`, replacing what is there: a record, not a measurement."""
+        self.data[table][key] = value
+        self._added[table][key] = (value, None)
+
     def save(self) -> None:
         if self.path is None or not any(self._added.values()):
             return
@@ -112,7 +122,7 @@ class TimingStore:
             current = _read(self.path)
             for table, entries in self._added.items():
                 for key, (value, heal) in entries.items():
-                    there = _comparable(current[table].get(key), value)
+                    there = None if heal is None else _comparable(current[table].get(key), value)
                     if there is None or _total(value) <= heal * _total(there):
                         current[table][key] = value  # new, or healed against what another run stored
             fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
@@ -150,7 +160,7 @@ def _number(v: Any) -> bool:
 
 
 def _empty() -> dict[str, dict[str, Any]]:
-    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}}
+    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}}
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:
