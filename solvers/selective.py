@@ -126,7 +126,9 @@ def with_saved(problem: Problem, budget_bytes: int | None, result: SolverResult,
     """`result`, or the best of its regions and `plans` with saved ops, when that predicts less time and fits.
 
     The solvers' half of choosing regions and saved ops together: each candidate region plan is given
-    the saved ops that pay for themselves (`refine_saved`), and the least predicted time wins.
+    the saved ops that pay for themselves (`refine_saved`), and the least predicted time wins. A
+    candidate that wins with no saved op is taken too: a time-limited or coarsened MILP, or dp's
+    stages, can miss a plain plan (one region per block) that fits and recomputes less.
     """
     if budget_bytes is None or not any(node.saveable for node in problem.nodes):
         return result
@@ -138,9 +140,9 @@ def with_saved(problem: Problem, budget_bytes: int | None, result: SolverResult,
         return result
     regions, saved = found
     seconds = recompute_time(problem, regions, saved)
-    if not saved or seconds >= own.recompute_time:
+    if seconds >= own.recompute_time:
         return result
-    stats = {**result.stats, "selective": True, "saved_ops": len(saved), "region_plan_recompute_time": own.recompute_time}
+    stats = {**result.stats, "selective": bool(saved), "saved_ops": len(saved), "region_plan_recompute_time": own.recompute_time}
     return SolverResult(regions=regions, saved=saved, stats=stats)
 
 

@@ -174,3 +174,25 @@ def test_selective_baseline_keeps_matmuls_per_block():
     # Only the gelus would re-run, but each block's gelu output is saved by the next block: no savers left
     # to trigger its recompute except within the block.
     assert result.recompute_time <= simulate(problem, result.regions).recompute_time
+
+
+def test_a_plain_plan_that_recomputes_less_replaces_the_solvers_own():
+    """dp's stages or a coarsened, time-limited MILP can miss a plain plan (one region per block) that a
+    candidate list holds; when it fits and recomputes less, `with_saved` returns it even though it keeps
+    no op (it used to want a saved op before it replaced the solver's plan)."""
+    from ckpt_planner.solvers.registry import SolverResult
+    from ckpt_planner.solvers.selective import with_saved
+
+    nodes, storages = [], []
+    for i in range(6):  # a chain; node i's backward keeps node i-1's output; only the last node is saveable
+        storages.append(Storage(producer=i, nbytes=100, last_use=min(i + 1, 5), saved_by=(i + 1,) if i < 5 else ()))
+        nodes.append(Node(name=f"n{i}", time=1.0 + i, inputs=(i - 1,) if i else (), reads=(i - 1,) if i else (),
+                          saveable=i == 5))
+    problem = Problem(nodes=tuple(nodes), storages=tuple(storages))
+    solvers_own, plain = ((0, 5),), ((0, 2), (3, 4))
+    budget = simulate(problem, solvers_own).peak_bytes
+    assert simulate(problem, plain).peak_bytes <= budget
+    assert recompute_time(problem, plain) < recompute_time(problem, solvers_own)
+    out = with_saved(problem, budget, SolverResult(regions=solvers_own), [plain])
+    assert (out.regions, out.saved) == (plain, ())
+    assert out.stats["region_plan_recompute_time"] == recompute_time(problem, solvers_own)
