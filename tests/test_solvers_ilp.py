@@ -180,3 +180,26 @@ def test_smallest_budget_named_is_met_again_when_the_milp_times_out(monkeypatch)
     monkeypatch.setattr(ilp_module, "_solve_milp", every_solve_times_out)
     solution = solve(problem, smallest, solver="ilp")
     assert solution.peak_bytes <= smallest
+
+
+def test_a_budget_the_blocks_meet_is_met_when_coarsening_cannot():
+    """Coarsened to fewer groups than blocks, the MILP cannot place a cut at every block's bound and reaches
+    no peak as low as one region per block; ilp then returns that plan instead of calling the budget
+    infeasible."""
+    from ckpt_planner.solvers import Node, Storage
+    from ckpt_planner.solvers.selective import block_regions
+
+    n = 12
+    nodes, storages = [], []
+    for i in range(n):  # four blocks of three nodes; node i's backward keeps node i-1's output
+        storages.append(Storage(producer=i, nbytes=100, last_use=min(i + 1, n - 1), saved_by=(min(i + 1, n - 1),)))
+        nodes.append(Node(name=f"n{i}", time=1.0, grad_bytes=10, inputs=(i - 1,) if i else (), reads=(i - 1,) if i else (),
+                          module=f"layers.{i // 3}.op"))
+    problem = Problem(nodes=tuple(nodes), storages=tuple(storages))
+    blocks = block_regions(problem)
+    assert len(blocks) == 4
+    budget = simulate(problem, blocks).peak_bytes
+    assert budget < simulate(problem, ()).peak_bytes
+    sol = solve(problem, budget, "ilp", max_nodes=2, time_limit=10)
+    assert sol.peak_bytes <= budget
+    assert simulate(problem, sol.regions, saved=sol.saved).peak_bytes <= budget
