@@ -208,15 +208,16 @@ def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (
         return (tuple(map(tuple, plan.spans())), tuple(plan.saved_indices())), plan
 
     before = os.environ.get(STORE_ENV)
-    os.environ[STORE_ENV] = tempfile.mkdtemp(prefix="ckpt-planner-twice-")
-    try:
-        first, plan1 = optimized(True)
-        runs = {"store": optimized(True), "scratch": optimized(False)}
-    finally:
-        if before is None:
-            os.environ.pop(STORE_ENV, None)
-        else:
-            os.environ[STORE_ENV] = before
+    with tempfile.TemporaryDirectory(prefix="ckpt-planner-twice-") as empty:
+        os.environ[STORE_ENV] = empty
+        try:
+            first, plan1 = optimized(True)
+            runs = {"store": optimized(True), "scratch": optimized(False)}
+        finally:
+            if before is None:
+                os.environ.pop(STORE_ENV, None)
+            else:
+                os.environ[STORE_ENV] = before
     out = {"solver": solver, "activation_budget": fraction}
     for label, (second, plan2) in runs.items():
         times_equal = gap = None
