@@ -67,77 +67,14 @@ from .milp_backend import (
     default_backend,
     stdout_to_stderr,
 )
-from .problem import Node, Problem, Storage
+from .problem import Problem
 from .registry import SolverResult, register
 from .simulate import simulate
-from .stages import _stage_bounds
+from .stages import coarsen
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend"]
-
-
-def coarsen(problem: Problem, max_nodes: int) -> tuple[Problem, list[tuple[int, int]]]:
-    """Merge runs of nodes into at most about max_nodes groups; returns the coarse problem and the groups."""
-    groups = _stage_bounds(problem, max_nodes)
-    if len(groups) == problem.n:
-        return problem, groups
-    group_of = [0] * problem.n
-    for g, (u, v) in enumerate(groups):
-        for i in range(u, v + 1):
-            group_of[i] = g
-    nodes = problem.nodes
-    readers_of: list[set[int]] = [set() for _ in problem.storages]
-    for i, node in enumerate(nodes):
-        for t in node.reads:
-            if group_of[problem.storages[t].producer] != group_of[i]:
-                readers_of[t].add(group_of[i])
-    # Storages that look the same at group level are merged (bytes added): the model cannot tell them apart.
-    merged: dict[tuple, int] = {}
-    for t, st in enumerate(problem.storages):
-        key = (
-            group_of[st.producer],
-            group_of[st.last_use],
-            tuple(sorted({group_of[k] for k in st.saved_by})),
-            st.is_output,
-            tuple(sorted(readers_of[t])),
-        )
-        merged[key] = merged.get(key, 0) + st.nbytes
-    storages, reads = [], [set() for _ in groups]
-    for (p, last, saved, is_output, readers), nbytes in merged.items():
-        for g in readers:
-            reads[g].add(len(storages))
-        storages.append(Storage(producer=p, nbytes=nbytes, last_use=last, saved_by=saved, is_output=is_output))
-    coarse = []
-    for g, (u, v) in enumerate(groups):
-        members = range(u, v + 1)
-        inputs = sorted({group_of[j] for i in members for j in nodes[i].inputs if group_of[j] != g})
-        out_grads = sum(nodes[i].grad_bytes for i in members)
-        coarse.append(
-            Node(
-                name=f"group{g}",
-                time=sum(problem.region_time(i) for i in members),
-                temp_bytes=max(nodes[i].temp_bytes for i in members),
-                grad_bytes=out_grads,
-                backward_temp_bytes=max(nodes[i].backward_temp_bytes for i in members),
-                param_grad_bytes=sum(nodes[i].param_grad_bytes for i in members),
-                inputs=tuple(inputs),
-                reads=tuple(sorted(reads[g])),
-                recomputable=all(nodes[i].recomputable for i in members),
-            )
-        )
-    return (
-        Problem(
-            nodes=tuple(coarse),
-            storages=tuple(storages),
-            param_bytes=problem.param_bytes,
-            input_bytes=problem.input_bytes,
-            optimizer_bytes=problem.optimizer_bytes,
-            name=problem.name,
-            region_overhead_s=problem.region_overhead_s,
-        ),
-        groups,
-    )
 
 
 def _solve_any(
