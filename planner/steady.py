@@ -61,11 +61,12 @@ def steady(problem: Problem, solution: Solution, budget: int, key: str, store: T
                 solution, regions=regions, saved=saved, peak_bytes=sim.peak_bytes, recompute_time=sim.recompute_time,
                 solver=solver or solution.solver, stats={**solution.stats, "kept_plan": True},
             )
-            note = (
-                f"kept the plan an earlier run chose for this graph and budget (timing store): this run's "
-                f"{solution.solver} plan is predicted {max(gain, 0.0) / step:.1%} of a step faster, within the "
+            against = (
+                f"this run's {solution.solver} plan is predicted {gain / step:.1%} of a step faster, within the "
                 f"{KEEP_WITHIN:.0%} that measurements cannot tell apart"
+                if gain > 0 else f"it is predicted no slower than this run's {solution.solver} plan"
             )
+            note = f"kept the plan an earlier run chose for this graph and budget (timing store): {against}"
             return kept, [note]
     entry = {"regions": [list(r) for r in solution.regions], "saved": list(solution.saved), "solver": solution.solver}
     if store.get("plans", key) != entry:

@@ -54,6 +54,14 @@ def test_a_stored_plan_stays_while_the_new_one_is_within_the_band(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["plans"]["k"]["regions"] == [list(r) for r in SLOWER]
 
 
+def test_a_stored_plan_faster_than_the_new_one_is_kept_and_the_note_says_so(tmp_path):
+    problem = dataclasses.replace(chain(), step_time_s=1.0)  # a band far narrower than the plans' gap
+    steady(problem, _as_solution(problem, FASTER, BUDGET), BUDGET, "k", TimingStore(tmp_path / "t.json"))
+    kept, notes = steady(problem, _as_solution(problem, SLOWER, BUDGET), BUDGET, "k", TimingStore(tmp_path / "t.json"))
+    assert kept.regions == FASTER and kept.stats["kept_plan"]
+    assert len(notes) == 1 and "predicted no slower than this run's test plan" in notes[0]
+
+
 def test_a_clearly_faster_plan_replaces_the_stored_one(tmp_path):
     problem = chain()
     problem = dataclasses.replace(problem, step_time_s=_gap(problem) / KEEP_WITHIN / 1.5)  # 1.5 bands faster
