@@ -183,9 +183,14 @@ def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str =
 
 
 def _own_checkpoint_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[OwnCheckpoint]:
-    """The checkpoint calls one forward of the model as given makes (library flags left on)."""
+    """The checkpoint calls one forward of the model as given makes (library flags left on).
+
+    With gradients where a library flag is on: transformers >= 5.24 checkpoints a layer only when
+    grad mode is on, and those layers keep little for backward. Elsewhere the forward runs without
+    gradients, so that nothing is saved for a backward that never comes."""
     calls: list[OwnCheckpoint] = []
-    with contextlib.suppress(Exception), ModelState(model).preserved(), torch.no_grad():
+    flagged = any(m.__dict__.get(attr) is True for m in model.modules() for attr in _BUILTIN_FLAGS)
+    with contextlib.suppress(Exception), ModelState(model).preserved(), torch.set_grad_enabled(flagged):
         with recording_checkpoints(model, calls):
             model(*args, **kwargs)
     return calls
