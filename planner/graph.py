@@ -82,7 +82,7 @@ class CostGraph:
     region_overhead_s: float = 0.0
     """Fixed cost of one checkpoint call over a step (seconds), measured on the device."""
     op_overhead_s: float = 0.0
-    """Selective-policy dispatch per op run in a selective region (seconds), measured."""
+    """Selective-policy dispatch per op run under it (a kept node's ops; seconds), measured."""
     saved_overhead_s: float = 0.0
     """A checkpoint region's hooks per tensor saved inside it, over a step (seconds), measured."""
     step_time_s: float = 0.0

@@ -63,6 +63,8 @@ class CheckpointRegion(torch.nn.Module):
         self.region_name = name
         self.saved_positions = frozenset(saved_positions)
         """Positions (among the region's compute nodes) whose outputs a selective policy keeps."""
+        self.dispatch_probe = False
+        """Timing calibration only: run the whole region under a selective policy that keeps nothing."""
         self.graph = graph
         python_code = graph.python_code(root_module="self")
         self.code = python_code.src
@@ -79,6 +81,10 @@ class CheckpointRegion(torch.nn.Module):
         return self._fn(self._root, *args)
 
     def _contexts(self):
+        if self.dispatch_probe:
+            from .selective import dispatch_probe_contexts
+
+            return dispatch_probe_contexts(_restore_buffers(self._root, self.buffer_names))
         if self.saved_positions:
             from .selective import selective_contexts
 
@@ -101,6 +107,7 @@ class CheckpointRegion(torch.nn.Module):
             copy.deepcopy(self.graph, memo), self.region_name, self.buffer_names, self.random, self.saved_positions
         )
         memo[id(self)] = new
+        new.dispatch_probe = self.dispatch_probe
         new.bind(copy.deepcopy(self._root, memo) if self._root is not None else None)
         return new
 
@@ -240,10 +247,10 @@ def rewrite(
         buffers = _touched_buffers(new_gm, inside, state_buffers)
         positions: frozenset[int] = frozenset()
         if not kids and any(m in saved_nodes for m in inside):
-            from .selective import mark_positions
+            from .selective import mark_kept
 
             positions = frozenset(p for p, m in enumerate(m for m in inside if m.op in _COMPUTE_OPS) if m in saved_nodes)
-            mark_positions(sub)
+            mark_kept(sub, positions)
         region = CheckpointRegion(sub, name, buffers, any(uses_rng(gm, m) for m in inside), positions)
         new_gm.add_submodule(name, region)
         made.append(region)

@@ -1,14 +1,21 @@
 """Selective regions: one checkpoint call whose policy keeps some ops' outputs and recomputes the rest.
 
 The lowering of a plan's saved ops. A region with saved nodes runs under
-`torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`
-with the contexts of `create_selective_checkpoint_contexts`. Ops are told
-apart by position, not by type: the region's graph calls `enter_node(i)`
-before its i-th compute node, and the policy returns MUST_SAVE for every
-non-view aten op that runs while a saved node is current, PREFER_RECOMPUTE
-for the others. A counter over the aten calls of the region's forward checks
-that the recompute replays the same ops in the same order; a mismatch (a
-data-dependent op) is an error, not a silent wrong gradient.
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`.
+Its graph calls `keep_begin(i)` before and `keep_end(i)` after each kept
+node (`i`: the node's position among the region's compute nodes), and only
+there is a selective-checkpoint mode of
+`create_selective_checkpoint_contexts` active: the caching one in the
+forward, the cached one in the recompute, one pair per kept node and call.
+The policy returns MUST_SAVE for every non-view, non-mutating aten op of a
+kept node and PREFER_RECOMPUTE for its views and in-place ops. The other
+ops of the region run as in any checkpoint region, below no Python dispatch
+mode: a policy active over the whole region costs every op 10-30 us on a
+CPU, forward and recompute, more than most ops take. Nodes are told apart by
+position, not by type. Where the policy is called again in the recompute
+(torch before 2.13), a counter over the kept nodes' aten calls checks that
+the recompute replays the forward's; torch 2.13 checks its own cache keys.
+A mismatch (a data-dependent op) is an error, not a silent wrong gradient.
 
 Which nodes may be kept (`saveable_flags`): ops that write nothing in place,
 whose outputs nothing writes in place later (a cached output would be
@@ -34,52 +41,120 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .errors import SelectiveReplayError
 from .rewrite import compute_nodes, mutated_inputs, written_roots
 
-__all__ = ["enter_node", "selective_contexts", "mark_positions", "saveable_flags", "policy_costs", "try_policy_costs", "SelectiveReplayError"]
+__all__ = [
+    "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",
+    "policy_costs", "try_policy_costs", "SelectiveReplayError",
+]
 
-_CURRENT = threading.local()
+_CURRENT = threading.local()  # .kept: the _KeptOps of the selective region call running on this thread
 
 
-def enter_node(position: int) -> None:
-    """Called by a selective region's graph before its `position`-th compute node."""
+def keep_begin(position: int) -> None:
+    """Called by a selective region's graph before its kept node at `position`."""
     if torch.compiler.is_compiling():
         return
-    _CURRENT.node = position
+    kept = getattr(_CURRENT, "kept", None)
+    if kept is not None:
+        kept.enter(position)
 
 
-def mark_positions(graph: fx.Graph) -> int:
-    """Insert `enter_node(i)` before each compute node of a region's graph; returns how many."""
-    nodes = compute_nodes(graph)
-    for i, n in enumerate(nodes):
-        with graph.inserting_before(n):
-            graph.call_function(enter_node, (i,))
-    return len(nodes)
+def keep_end(position: int) -> None:
+    """Called by a selective region's graph after its kept node at `position`."""
+    if torch.compiler.is_compiling():
+        return
+    kept = getattr(_CURRENT, "kept", None)
+    if kept is not None:
+        kept.leave()
+
+
+def mark_kept(graph: fx.Graph, positions: frozenset[int]) -> None:
+    """Put `keep_begin(i)` / `keep_end(i)` around the compute nodes of a region's graph at `positions`."""
+    for i, n in enumerate(compute_nodes(graph)):
+        if i in positions:
+            with graph.inserting_before(n):
+                graph.call_function(keep_begin, (i,))
+            with graph.inserting_after(n):
+                graph.call_function(keep_end, (i,))
+
+
+class _KeptOps:
+    """One checkpoint call of a selective region: per kept node, the pair of selective-checkpoint modes
+    (caching in the forward, cached in the recompute) entered around that node alone."""
+
+    def __init__(self, positions: frozenset[int]) -> None:
+        self.positions = positions
+        self.pairs: dict[int, tuple[TorchDispatchMode, TorchDispatchMode]] = {}
+        self.trace: list[tuple[int, object]] = []  # (position, aten op) of the forward, in order
+        self.replayed = [0]
+        self.recompute = False
+        self.active: list[TorchDispatchMode] = []
+
+    def enter(self, position: int) -> None:
+        if position not in self.positions:
+            return
+        if self.recompute:
+            pair = self.pairs.get(position)
+            if pair is None:
+                raise SelectiveReplayError(f"the recompute reached kept node {position}, which its forward did not run")
+            mode = pair[1]
+        else:
+            pair = self.pairs[position] = create_selective_checkpoint_contexts(_policy(self.trace, self.replayed, position))
+            mode = pair[0]
+        mode.__enter__()
+        self.active.append(mode)
+
+    def leave(self) -> None:
+        if self.active:
+            self.active.pop().__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def phase(self, recompute: bool) -> Iterator[None]:
+        before = getattr(_CURRENT, "kept", None)
+        _CURRENT.kept, self.recompute = self, recompute
+        try:
+            yield
+        finally:
+            while self.active:  # left by an error or by the recompute's early stop inside a kept node
+                self.leave()
+            _CURRENT.kept = before
+
+
+def _policy(trace: list[tuple[int, object]], replayed: list[int], position: int):
+    """The policy of one kept node. It holds the call's trace, not the _KeptOps: a cycle through the
+    modes' storage would keep the cached outputs alive until the garbage collector runs."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if ctx.is_recompute:  # torch before 2.13 asks again in the recompute
+            k = replayed[0]
+            replayed[0] += 1
+            if k >= len(trace) or trace[k] != (position, op):
+                raise SelectiveReplayError(
+                    f"position {k}: the recompute ran {op} at node {position}, the forward "
+                    f"{trace[k] if k < len(trace) else 'nothing'}; the region's ops depend on data"
+                )
+        else:
+            trace.append((position, op))
+        return CheckpointPolicy.MUST_SAVE if _cacheable(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 def selective_contexts(saved_positions: frozenset[int], recompute_context=None):
     """The (forward, recompute) contexts of one checkpoint call of a selective region."""
-    trace: list[tuple[int, object]] = []
-    replayed = [0]
-
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        node = getattr(_CURRENT, "node", -1)
-        if ctx.is_recompute:
-            k = replayed[0]
-            replayed[0] += 1
-            if k >= len(trace) or trace[k] != (node, op):
-                raise SelectiveReplayError(
-                    f"position {k}: the recompute ran {op} at node {node}, the forward "
-                    f"{trace[k] if k < len(trace) else 'nothing'}; the region's ops depend on data"
-                )
-        else:
-            trace.append((node, op))
-        if node in saved_positions and _cacheable(op):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    forward, recompute = create_selective_checkpoint_contexts(policy)
+    kept = _KeptOps(frozenset(saved_positions))
+    forward, recompute = kept.phase(False), kept.phase(True)
     if recompute_context is None:
         return forward, recompute
     return forward, _both(recompute_context, recompute)  # buffers saved and put back outside the policy
+
+
+def dispatch_probe_contexts(recompute_context=None):
+    """Contexts that run a whole region, forward and recompute, under a selective policy keeping nothing:
+    what the policy's dispatch costs per op on a graph's own ops (the timing calibration)."""
+    forward, recompute = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    if recompute_context is None:
+        return forward, recompute
+    return forward, _both(recompute_context, recompute)
 
 
 _FACTORIES = ("empty", "empty_like", "new_empty", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like")

@@ -420,13 +420,13 @@ def _measured_step(
 
 
 def _caching_nothing(checkpointed: torch.nn.Module) -> torch.nn.Module:
-    """`checkpointed` with every region run under the selective policy, keeping no op (a position no
-    node has): what the policy's dispatch alone costs on this graph's own ops."""
+    """`checkpointed` with every region run under a selective policy that keeps no op: what the
+    policy's dispatch alone costs per op on this graph's own ops (a kept node's ops pay it)."""
     from .rewrite import CheckpointRegion
 
     for module in checkpointed.modules():
         if isinstance(module, CheckpointRegion):
-            module.saved_positions = frozenset({-2})
+            module.dispatch_probe = True
     return checkpointed
 
 

@@ -63,8 +63,8 @@ class Node:
     """Tensors the node's forward hands autograd to keep; inside a checkpoint region each one passes
     the region's pack and unpack hooks (`Problem.saved_overhead_s` apiece)."""
     dispatch_ops: int = 1
-    """Aten ops the node's forward runs: in a selective region each is a call of the policy
-    (`Problem.op_overhead_s` apiece, forward and recompute)."""
+    """Aten ops the node's forward runs: when a selective region keeps the node, each is a call of
+    the policy (`Problem.op_overhead_s` apiece, forward and recompute)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Problem:
     region_overhead_s: float = 0.0
     """Fixed cost of one checkpoint call over a step, forward and backward (seconds), measured."""
     op_overhead_s: float = 0.0
-    """Cost of the selective-policy dispatch per op run inside a selective region (seconds)."""
+    """Cost of the selective-policy dispatch per op run under it (a kept node's ops; seconds)."""
     saved_overhead_s: float = 0.0
     """Cost of a checkpoint region's saved-tensor hooks per tensor saved inside it, forward, recompute
     and backward (seconds), measured."""

@@ -22,8 +22,9 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   is done; the recompute takes them from the cache instead of re-running
   the node, and re-runs every other node up to the region's stop.
 * Each checkpoint call costs `problem.region_overhead_s` per step, every
-  op that runs under a selective policy (forward and recompute) costs
-  `problem.op_overhead_s`, and every tensor a recomputed node saves costs
+  op of a kept node (the only ops that run under a selective policy; one
+  more for the policy's mode) costs `problem.op_overhead_s` in the forward
+  and again in the recompute, and every tensor a recomputed node saves costs
   `problem.saved_overhead_s` (the region's pack and unpack hooks): all are
   added to the recompute time.
 
@@ -109,14 +110,16 @@ def normalize_saved(problem: Problem, regions: tuple[tuple[int, int], ...], save
 
 
 def call_time(problem: Problem, regions: tuple[tuple[int, int], ...], saved: tuple[int, ...], stops: list[int]) -> float:
-    """Checkpoint-call and selective-dispatch seconds of a plan (stops: last recomputed node per region)."""
+    """Checkpoint-call and selective-dispatch seconds of a plan (stops: last recomputed node per region).
+
+    Only a kept node runs under the selective policy: its aten ops, plus one for entering and leaving
+    the policy's mode, in the forward and, when the recompute reaches it, in the recompute."""
     total = problem.region_overhead_s * len(regions)
     if saved and problem.op_overhead_s:
-        marked = set(saved)
-        ops = [node.dispatch_ops for node in problem.nodes]
         for (s, e), stop in zip(regions, stops):
-            if any(s <= i <= e for i in marked):
-                total += problem.op_overhead_s * (sum(ops[s : e + 1]) + sum(ops[s : stop + 1]))
+            for i in saved:
+                if s <= i <= e:
+                    total += problem.op_overhead_s * (problem.nodes[i].dispatch_ops + 1) * (2 if i <= stop else 1)
     return total
 
 

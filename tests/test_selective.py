@@ -18,7 +18,7 @@ from ckpt_planner.solvers import simulate, solve
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.solvers.selective import is_heavy
 from ckpt_planner.timing import anchor_times
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .test_hazards import METHODS, ConvBN, Noisy, compare, step
 
@@ -190,3 +190,38 @@ def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
     peaks, _ = measure_step_peaks(module, (x,), {}, list(model.parameters()), state, lambda out: out.sum(), torch.device("cpu"))
     predicted = simulate(problem, region, saved=keep).peak_bytes
     assert abs(peaks.allocator - predicted) <= 0.005 * predicted  # a kept composite would add 32 KB (45 %)
+
+
+def test_only_kept_nodes_run_under_the_policy(monkeypatch):
+    """The policy's mode is entered around each kept node alone: the region's other ops pay no Python
+    dispatch, and the recompute's early stop inside a kept node leaves no mode behind."""
+    from ckpt_planner import selective
+
+    asked: list[object] = []
+    real = selective.create_selective_checkpoint_contexts
+
+    def counting(policy):
+        def spy(ctx, op, *args, **kwargs):
+            asked.append(op)
+            return policy(ctx, op, *args, **kwargs)
+
+        return real(spy)
+
+    monkeypatch.setattr(selective, "create_selective_checkpoint_contexts", counting)
+    torch.manual_seed(0)
+    model, x = Composite().train(), torch.randn(64, 16)
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=ProfileConfig(flop_times=True))
+    problem = planner.problem
+    names = [n.name for n in problem.nodes]
+    keep = [names.index("a"), names.index("b")]  # b: the recompute stops inside it (its input is saved)
+    region = ((0, problem.n - 1),)
+    module = rewrite(planner.capture.graph_module, region, model=model, saved=keep)
+    assert compare(model, module, x) == (True, True, True)
+    asked.clear()
+    step(module, model, x)
+    kept_ops = sum(problem.nodes[i].dispatch_ops for i in keep)
+    assert 0 < kept_ops < sum(node.dispatch_ops for node in problem.nodes)
+    # torch >= 2.13 asks the policy in the forward only; older torch asks again in the recompute.
+    assert len(asked) in (kept_ops, 2 * kept_ops)
+    assert _get_current_dispatch_mode_stack() == []
+    assert heavy_calls(module, model, x) < heavy_calls(rewrite(planner.capture.graph_module, region, model=model), model, x)

@@ -58,10 +58,35 @@ def test_call_costs_are_counted():
     problem = chain3(region_overhead_s=0.5, op_overhead_s=0.01)
     assert simulate(problem, [(0, 1)]).recompute_time == 3.5
     sim = simulate(problem, [(0, 1)], saved=[0])
-    # 2 s of recompute, one call, and the policy on 2 forward ops + 2 recomputed ones.
+    # 2 s of recompute, one call, and the policy on a's op plus its mode, in the forward and the recompute.
     assert abs(sim.recompute_time - (2.0 + 0.5 + 0.04)) < 1e-12
     assert abs(sim.call_time - 0.54) < 1e-12
     assert abs(recompute_time(problem, [(0, 1)], [0]) - sim.recompute_time) < 1e-12
+
+
+def test_only_kept_nodes_pay_the_policy():
+    """a -> b -> c -> d: b keeps a's output, c keeps nothing, so a region (a, c) recomputes up to b. A kept
+    node pays the policy on its own ops plus one (entering its mode), in the forward and, where the
+    recompute reaches it, again; the region's other nodes pay nothing."""
+    nodes = (
+        Node(name="a", time=1.0, saveable=True, dispatch_ops=3),
+        Node(name="b", time=2.0, inputs=(0,), reads=(0,), saveable=True, dispatch_ops=1),
+        Node(name="c", time=4.0, inputs=(1,), reads=(1,), saveable=True, dispatch_ops=5),
+        Node(name="d", time=8.0, inputs=(2,), reads=(2,), is_output=True),
+    )
+    storages = (
+        Storage(producer=0, nbytes=100, last_use=1, saved_by=(1,)),
+        Storage(producer=1, nbytes=100, last_use=2),
+        Storage(producer=2, nbytes=100, last_use=3, saved_by=(3,)),
+        Storage(producer=3, nbytes=100, last_use=3, is_output=True),
+    )
+    problem = Problem(nodes=nodes, storages=storages, region_overhead_s=0.5, op_overhead_s=0.01)
+    region = [(0, 2)]
+    cases = {(): 0.5, (0,): 0.5 + 0.01 * 4 * 2, (2,): 0.5 + 0.01 * 6, (0, 2): 0.5 + 0.08 + 0.06, (1,): 0.5 + 0.01 * 2 * 2}
+    for saved, calls in cases.items():
+        sim = simulate(problem, region, saved=saved)
+        assert abs(sim.call_time - calls) < 1e-12, saved
+        assert abs(recompute_time(problem, region, saved) - sim.recompute_time) < 1e-12
 
 
 def saveable_dag(seed: int, n: int) -> Problem:
