@@ -1,7 +1,8 @@
 """Memory vs step time: our plans against the checkpointing users pick today, measured in one process.
 
 For each model, every contender runs the same training step (forward + backward)
-in the same process, timed round-robin so that machine noise hits them alike:
+in the same process, timed round-robin (in a new shuffled order each round, so that no contender
+always follows the same one and inherits its allocator state) so that machine noise hits them alike:
 
 - none: no checkpointing (the baseline);
 - per-block: every transformer layer checkpointed (HF `gradient_checkpointing_enable`,
@@ -40,6 +41,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -357,8 +359,9 @@ def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats
     for c in live[1:]:
         measure_memory(c, args, kwargs, device, base_grads)
     log(f"[{case.name}] timing, {repeats} interleaved rounds")
+    order = random.Random(0)
     for _ in range(repeats):
-        for c in live:
+        for c in order.sample(live, len(live)):  # glibc's heap after a large step makes the next one pay page faults
             t0 = time.perf_counter()
             _step(c, args, kwargs, device)
             c.times.append(time.perf_counter() - t0)

@@ -270,7 +270,7 @@ def write_report(results: dict, out: Path) -> None:
         "the mode the compiled function reports the eager figure), so compiled contenders are measured by the "
         "allocator only.",
         f"- Time: median of {meta['repeats']} steps (forward + backward) after {meta['warmup']} warm-up step(s), "
-        "the contenders of a model run round-robin in one process so that load on the machine hits them alike.",
+        "the contenders of a model run round-robin in one process, in a new shuffled order each round, so that load on the machine and the allocator state one step leaves the next hit them alike.",
         *([f"- Node times and call costs: timed by this run's profiles (timing store {meta['timing_store']}: the "
            "first profile of each graph times it, later profiles read what it stored)."] if meta.get("timing_store") else []),
         f"- Ours: solvers {', '.join(meta['solvers_run'])} (registered: {', '.join(meta['solvers_registered'])}) "
