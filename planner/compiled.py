@@ -11,7 +11,7 @@ not on one scale, and inductor's fusion changes what either costs.
 Region lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
 whole with inductor, `fullgraph=True`; dynamo turns each region into a `tag_activation_checkpoint`
 call and the AOT partitioner recomputes it in the compiled backward, fused with its neighbours.
-Selective regions lose their kept ops under compile (their policy is entered by `keep_begin`,
+Selective regions lose their kept ops under compile (their cache is entered by `keep_begin`,
 which the trace skips): they are recomputed whole, which saves more and costs more than planned.
 
 Inductor plans its own buffers, so the eager prediction is not the compiled peak. Each compiled

@@ -4,18 +4,18 @@ The lowering of a plan's saved ops. A region with saved nodes runs under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`.
 Its graph calls `keep_begin(i)` before and `keep_end(i)` after each kept
 node (`i`: the node's position among the region's compute nodes), and only
-there is a selective-checkpoint mode of
-`create_selective_checkpoint_contexts` active: the caching one in the
-forward, the cached one in the recompute, one pair per kept node and call.
-The policy returns MUST_SAVE for every non-view, non-mutating aten op of a
-kept node and PREFER_RECOMPUTE for its views and in-place ops. The other
-ops of the region run as in any checkpoint region, below no Python dispatch
-mode: a policy active over the whole region costs every op 10-30 us on a
-CPU, forward and recompute, more than most ops take. Nodes are told apart by
-position, not by type. Where the policy is called again in the recompute
-(torch before 2.13), a counter over the kept nodes' aten calls checks that
-the recompute replays the forward's; torch 2.13 checks its own cache keys.
-A mismatch (a data-dependent op) is an error, not a silent wrong gradient.
+there is a dispatch mode active (`_KeepMode`, one cache per kept node and
+call): in the forward it keeps a detached alias of the output of every
+non-view, non-mutating aten op the node runs; in the recompute it hands those
+back in the same order instead of running the ops, and runs the node's views
+and in-place ops again. This is what `create_selective_checkpoint_contexts`
+does with a policy, without its per-op bookkeeping. The other ops of the
+region run as in any checkpoint region, below no Python dispatch mode: a mode
+over the whole region costs every op 10-30 us on a CPU, forward and
+recompute, more than most ops take. Nodes are told apart by position, not by
+type. The recompute must ask for the ops the forward cached, in order, and a
+cached output must not have been written in place since: otherwise (a
+data-dependent op) it is an error, not a silent wrong gradient.
 
 Which nodes may be kept (`saveable_flags`): ops that write nothing in place,
 whose outputs nothing writes in place later (a cached output would be
@@ -31,12 +31,13 @@ import functools
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import SelectiveReplayError
 from .rewrite import compute_nodes, mutated_inputs, written_roots
@@ -77,15 +78,58 @@ def mark_kept(graph: fx.Graph, positions: frozenset[int]) -> None:
                 graph.call_function(keep_end, (i,))
 
 
+class _KeepMode(TorchDispatchMode):
+    """One kept node's ops, forward (`replay=False`: run, and cache what they make) or recompute
+    (`replay=True`: hand the cached outputs back in order). `cache=None`: the timing calibration's
+    probe, which does the forward's work on every op and keeps nothing."""
+
+    def __init__(self, cache: list[tuple[object, Any, tuple[int, ...]]] | None, position: int, replay: bool) -> None:
+        super().__init__()
+        self.cache, self.position, self.replay = cache, position, replay
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _IGNORED or not _cacheable(func):
+            return func(*args, **(kwargs or {}))
+        if not self.replay or self.cache is None:
+            out = func(*args, **(kwargs or {}))
+            kept = _detached(out) if isinstance(out, torch.Tensor) else tree_map_only(torch.Tensor, _detached, out)
+            versions = _versions(kept)
+            if self.cache is not None:
+                self.cache.append((func, kept, versions))
+            return out
+        if not self.cache or self.cache[0][0] is not func:
+            raise SelectiveReplayError(
+                f"kept node {self.position}: the recompute ran {func}, the forward cached "
+                f"{self.cache[0][0] if self.cache else 'nothing more'}; the region's ops depend on data"
+            )
+        _, kept, versions = self.cache.pop(0)
+        if versions != _versions(kept):
+            raise SelectiveReplayError(
+                f"kept node {self.position}: the output of {func} was written in place after the forward cached it"
+            )
+        return kept
+
+
+def _versions(kept: Any) -> tuple[int, ...]:
+    if isinstance(kept, torch.Tensor):  # the common case, without walking a tree
+        return (kept._version,)
+    return tuple(t._version for t in tree_leaves(kept) if isinstance(t, torch.Tensor))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """An alias of an op's output without autograd history (no cycle through the graph) that shares its
+    version counter, so a later in-place write shows. Below autograd, `detach` leaves the counter
+    behind unless the in-place/view key is let through, as torch's own selective checkpointing does."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 class _KeptOps:
-    """One checkpoint call of a selective region: per kept node, the pair of selective-checkpoint modes
-    (caching in the forward, cached in the recompute) entered around that node alone."""
+    """One checkpoint call of a selective region: per kept node, its cache and the mode entered around it."""
 
     def __init__(self, positions: frozenset[int]) -> None:
         self.positions = positions
-        self.pairs: dict[int, tuple[TorchDispatchMode, TorchDispatchMode]] = {}
-        self.trace: list[tuple[int, object]] = []  # (position, aten op) of the forward, in order
-        self.replayed = [0]
+        self.caches: dict[int, list] = {}
         self.recompute = False
         self.active: list[TorchDispatchMode] = []
 
@@ -93,13 +137,12 @@ class _KeptOps:
         if position not in self.positions:
             return
         if self.recompute:
-            pair = self.pairs.get(position)
-            if pair is None:
+            cache = self.caches.get(position)
+            if cache is None:
                 raise SelectiveReplayError(f"the recompute reached kept node {position}, which its forward did not run")
-            mode = pair[1]
         else:
-            pair = self.pairs[position] = create_selective_checkpoint_contexts(_policy(self.trace, self.replayed, position))
-            mode = pair[0]
+            cache = self.caches[position] = []
+        mode = _KeepMode(cache, position, self.recompute)
         mode.__enter__()
         self.active.append(mode)
 
@@ -119,26 +162,6 @@ class _KeptOps:
             _CURRENT.kept = before
 
 
-def _policy(trace: list[tuple[int, object]], replayed: list[int], position: int):
-    """The policy of one kept node. It holds the call's trace, not the _KeptOps: a cycle through the
-    modes' storage would keep the cached outputs alive until the garbage collector runs."""
-
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if ctx.is_recompute:  # torch before 2.13 asks again in the recompute
-            k = replayed[0]
-            replayed[0] += 1
-            if k >= len(trace) or trace[k] != (position, op):
-                raise SelectiveReplayError(
-                    f"position {k}: the recompute ran {op} at node {position}, the forward "
-                    f"{trace[k] if k < len(trace) else 'nothing'}; the region's ops depend on data"
-                )
-        else:
-            trace.append((position, op))
-        return CheckpointPolicy.MUST_SAVE if _cacheable(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
 def selective_contexts(saved_positions: frozenset[int], recompute_context=None):
     """The (forward, recompute) contexts of one checkpoint call of a selective region."""
     kept = _KeptOps(frozenset(saved_positions))
@@ -149,14 +172,20 @@ def selective_contexts(saved_positions: frozenset[int], recompute_context=None):
 
 
 def dispatch_probe_contexts(recompute_context=None):
-    """Contexts that run a whole region, forward and recompute, under a selective policy keeping nothing:
-    what the policy's dispatch costs per op on a graph's own ops (the timing calibration)."""
-    forward, recompute = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    """Contexts that run a whole region, forward and recompute, under the kept-node mode keeping nothing:
+    what that mode costs per op on a graph's own ops (the timing calibration)."""
+    forward, recompute = _KeepMode(None, -1, False), _KeepMode(None, -1, True)
     if recompute_context is None:
         return forward, recompute
     return forward, _both(recompute_context, recompute)
 
 
+# Ops a cache must not hold: metadata queries and detach, which checkpointing itself runs a different
+# number of times in the forward and the recompute (torch's own selective checkpointing skips them too).
+_IGNORED = frozenset(
+    getattr(torch_checkpoint, "SAC_IGNORED_OPS", ())
+    or (torch.ops.aten.detach.default, torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.dim.default)
+)
 _FACTORIES = ("empty", "empty_like", "new_empty", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like")
 _RANDOM = re.compile(r"dropout|bernoulli|rand", re.IGNORECASE)
 

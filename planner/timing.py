@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from .graph import CostGraph, NodeCost
 from .timing_store import TimingStore, open_store, signature
@@ -196,7 +196,7 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
     """The steps `call_costs` derives the call costs from, seconds, the least of two passes (the first pass
     in a process also pays one-off initialisation): `region`, one checkpoint region of TINY_OPS tiny ops;
-    `each`, a region per op; `selective`, the one region under a selective policy; `plain`, the ops
+    `each`, a region per op; `selective`, the one region under the kept-node mode keeping nothing; `plain`, the ops
     without checkpointing; `forward`, their forward alone."""
     device = torch.device(device)
     sync = _sync_for(device)
@@ -218,13 +218,10 @@ def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
     def one(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(chain, t, use_reentrant=False)
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    from .selective import dispatch_probe_contexts
 
     def one_selective(t: torch.Tensor) -> torch.Tensor:
-        return checkpoint(
-            chain, t, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
-        )
+        return checkpoint(chain, t, use_reentrant=False, context_fn=dispatch_probe_contexts)
 
     def once() -> dict[str, float]:
         return {

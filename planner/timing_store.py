@@ -43,7 +43,7 @@ import torch
 __all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
 
 STORE_ENV = "CKPT_PLANNER_TIMINGS"
-FORMAT = 4
+FORMAT = 5  # 5: the selective figures time the kept-node mode of selective.py, not torch's policy mode
 _OFF = {"off", "0", "no", "false", "none"}
 
 

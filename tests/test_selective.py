@@ -193,21 +193,19 @@ def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
 
 
 def test_only_kept_nodes_run_under_the_policy(monkeypatch):
-    """The policy's mode is entered around each kept node alone: the region's other ops pay no Python
+    """The kept-node mode is entered around each kept node alone: the region's other ops pay no Python
     dispatch, and the recompute's early stop inside a kept node leaves no mode behind."""
     from ckpt_planner import selective
 
-    asked: list[object] = []
-    real = selective.create_selective_checkpoint_contexts
+    seen = {False: 0, True: 0}  # ops the mode saw in the forward / the recompute
+    real = selective._KeepMode.__torch_dispatch__
 
-    def counting(policy):
-        def spy(ctx, op, *args, **kwargs):
-            asked.append(op)
-            return policy(ctx, op, *args, **kwargs)
+    def counting(self, func, types, args=(), kwargs=None):
+        if func not in selective._IGNORED:  # checkpointing's own detach and metadata queries
+            seen[self.replay] += 1
+        return real(self, func, types, args, kwargs)
 
-        return real(spy)
-
-    monkeypatch.setattr(selective, "create_selective_checkpoint_contexts", counting)
+    monkeypatch.setattr(selective._KeepMode, "__torch_dispatch__", counting)
     torch.manual_seed(0)
     model, x = Composite().train(), torch.randn(64, 16)
     planner = Planner(model, x, capture_method="symbolic_trace", profile_config=ProfileConfig(flop_times=True))
@@ -217,11 +215,77 @@ def test_only_kept_nodes_run_under_the_policy(monkeypatch):
     region = ((0, problem.n - 1),)
     module = rewrite(planner.capture.graph_module, region, model=model, saved=keep)
     assert compare(model, module, x) == (True, True, True)
-    asked.clear()
+    seen.update({False: 0, True: 0})
     step(module, model, x)
     kept_ops = sum(problem.nodes[i].dispatch_ops for i in keep)
     assert 0 < kept_ops < sum(node.dispatch_ops for node in problem.nodes)
-    # torch >= 2.13 asks the policy in the forward only; older torch asks again in the recompute.
-    assert len(asked) in (kept_ops, 2 * kept_ops)
+    assert seen[False] == kept_ops and 0 < seen[True] <= kept_ops
     assert _get_current_dispatch_mode_stack() == []
     assert heavy_calls(module, model, x) < heavy_calls(rewrite(planner.capture.graph_module, region, model=model), model, x)
+
+
+class MutatesCached(nn.Module):
+    """One fx node whose second op writes in place into the first op's output: a cached copy would be stale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(_scale_in_place(self.a(x))).sum()
+
+
+@torch.fx.wrap
+def _scale_in_place(h: torch.Tensor) -> torch.Tensor:
+    y = h * 2.0
+    y.mul_(0.5)  # mul's output, written after the op that made it
+    return y
+
+
+def test_a_cached_output_written_in_place_is_an_error_not_a_wrong_gradient():
+    from ckpt_planner.errors import SelectiveReplayError
+
+    torch.manual_seed(0)
+    model, x = MutatesCached().train(), torch.randn(8, 16)
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=ProfileConfig(flop_times=True))
+    names = [n.name for n in planner.problem.nodes]
+    region = ((0, planner.problem.n - 1),)
+    module = rewrite(planner.capture.graph_module, region, model=model, saved=[names.index("_scale_in_place")])
+    with pytest.raises(SelectiveReplayError, match="written in place"):
+        module(x).backward()
+
+
+_USE_COS = [False]
+
+
+@torch.fx.wrap
+def _switchable(h: torch.Tensor) -> torch.Tensor:
+    """sin, or cos once the test flips the switch: a recompute after the flip runs other ops."""
+    return torch.cos(h) if _USE_COS[0] else torch.sin(h)
+
+
+class Switchable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(_switchable(self.a(x))).sum()
+
+
+def test_a_recompute_that_runs_other_ops_is_an_error():
+    from ckpt_planner.errors import SelectiveReplayError
+
+    torch.manual_seed(0)
+    model, x = Switchable().train(), torch.randn(8, 16)
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=ProfileConfig(flop_times=True))
+    names = [n.name for n in planner.problem.nodes]
+    region = ((0, planner.problem.n - 1),)
+    module = rewrite(planner.capture.graph_module, region, model=model, saved=[names.index("_switchable")])
+    loss = module(x)  # the forward caches sin's output
+    _USE_COS[0] = True
+    try:
+        with pytest.raises(SelectiveReplayError, match="depend on data"):
+            loss.backward()
+    finally:
+        _USE_COS[0] = False
