@@ -64,7 +64,7 @@ class CheckpointRegion(torch.nn.Module):
         self.saved_positions = frozenset(saved_positions)
         """Positions (among the region's compute nodes) whose outputs a selective policy keeps."""
         self.dispatch_probe = False
-        """Timing calibration only: run the whole region under a selective policy that keeps nothing."""
+        """Timing calibration only: run the whole region under the kept-node mode, keeping nothing."""
         self.graph = graph
         python_code = graph.python_code(root_module="self")
         self.code = python_code.src

@@ -196,8 +196,8 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
     """The steps `call_costs` derives the call costs from, seconds, the least of two passes (the first pass
     in a process also pays one-off initialisation): `region`, one checkpoint region of TINY_OPS tiny ops;
-    `each`, a region per op; `selective`, the one region under the kept-node mode keeping nothing; `plain`, the ops
-    without checkpointing; `forward`, their forward alone."""
+    `each`, a region per op; `selective`, the one region under the kept-node mode keeping nothing;
+    `plain`, the ops without checkpointing; `forward`, their forward alone."""
     device = torch.device(device)
     sync = _sync_for(device)
     x = torch.randn(8, device=device, requires_grad=True)
@@ -417,8 +417,8 @@ def _measured_step(
 
 
 def _caching_nothing(checkpointed: torch.nn.Module) -> torch.nn.Module:
-    """`checkpointed` with every region run under a selective policy that keeps no op: what the
-    policy's dispatch alone costs per op on this graph's own ops (a kept node's ops pay it)."""
+    """`checkpointed` with every region run under the kept-node mode keeping nothing: what that mode's
+    dispatch alone costs per op on this graph's own ops (a kept node's ops pay it)."""
     from .rewrite import CheckpointRegion
 
     for module in checkpointed.modules():
