@@ -379,7 +379,7 @@ class Plan:
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
         """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
         from .capture import capture, flatten_for_graph
-        from .rewrite import compute_nodes
+        from .mutation import compute_nodes
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
         cap = capture(model, example_inputs, method=method)

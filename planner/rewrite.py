@@ -34,17 +34,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
 from .rng import uses_rng
 
-__all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "compute_nodes", "mutated_inputs", "written_roots", "safe_regions"]
-
-_COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """The nodes that profiling and solvers index, in graph order."""
-    return [n for n in graph.nodes if n.op in _COMPUTE_OPS]
-
+__all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "safe_regions"]
 
 class CheckpointRegion(torch.nn.Module):
     """A run of graph nodes executed under non-reentrant activation checkpointing."""
@@ -112,7 +105,7 @@ class CheckpointRegion(torch.nn.Module):
         return new
 
     def extra_repr(self) -> str:
-        return f"{self.region_name}: {sum(1 for n in self.graph.nodes if n.op in _COMPUTE_OPS)} nodes"
+        return f"{self.region_name}: {sum(1 for n in self.graph.nodes if n.op in COMPUTE_OPS)} nodes"
 
 
 @contextlib.contextmanager
@@ -249,7 +242,7 @@ def rewrite(
         if not kids and any(m in saved_nodes for m in inside):
             from .selective import mark_kept
 
-            positions = frozenset(p for p, m in enumerate(m for m in inside if m.op in _COMPUTE_OPS) if m in saved_nodes)
+            positions = frozenset(p for p, m in enumerate(m for m in inside if m.op in COMPUTE_OPS) if m in saved_nodes)
             mark_kept(sub, positions)
         region = CheckpointRegion(sub, name, buffers, any(uses_rng(gm, m) for m in inside), positions)
         new_gm.add_submodule(name, region)
@@ -332,75 +325,6 @@ def _attach_missing_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
 
 # -- in-place ops at region boundaries ---------------------------------------------
 
-_VIEW_NAMES = frozenset(
-    "view view_as reshape reshape_as transpose permute expand expand_as unsqueeze squeeze narrow select t flatten "
-    "unflatten unbind split chunk contiguous detach as_strided diagonal movedim swapaxes swapdims alias unfold "
-    "__getitem__ getitem real imag view_as_real view_as_complex".split()
-)
-_INPLACE_OPERATORS = (
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-)
-
-
-def _name(target: object) -> str:
-    if isinstance(target, str):
-        return target
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    return getattr(target, "__name__", "")
-
-
-def mutated_inputs(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
-    """The argument nodes that `n` writes into (in-place ops, `inplace=True` modules and functions, setitem)."""
-    first = [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
-    if n.op == "call_module":
-        mod = gm.get_submodule(str(n.target))
-        return first if getattr(mod, "inplace", False) is True else []
-    if n.kwargs.get("inplace") is True:
-        return first
-    if n.op == "call_method":
-        name = str(n.target)
-        return first if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) else []
-    if n.op != "call_function":
-        return []
-    if n.target in _INPLACE_OPERATORS:
-        return first
-    schema = getattr(n.target, "_schema", None)
-    if schema is not None:
-        out = []
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                value = n.args[i] if i < len(n.args) and not a.kwarg_only else n.kwargs.get(a.name)
-                if isinstance(value, fx.Node):
-                    out.append(value)
-        return out
-    name = _name(n.target)
-    return first if name.endswith("_") and not name.startswith("_") else []
-
-
-def _is_view(n: fx.Node) -> bool:
-    if n.op not in ("call_method", "call_function") or not n.args or not isinstance(n.args[0], fx.Node):
-        return False
-    schema = getattr(n.target, "_schema", None)
-    if schema is not None:
-        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        return not writes and any(r.alias_info is not None for r in schema.returns)
-    return _name(n.target) in _VIEW_NAMES
-
-
-def _root(n: fx.Node) -> fx.Node:
-    """The node whose storage `n` views (itself when it is no view)."""
-    while _is_view(n):
-        n = n.args[0]
-    return n
-
-
-def written_roots(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
-    """The nodes whose storage `n` writes into in place (through views resolved to their base)."""
-    return [_root(a) for a in mutated_inputs(gm, n)]
-
 
 def safe_regions(
     gm: fx.GraphModule, regions: Sequence[tuple[int, int]]
@@ -437,7 +361,7 @@ def safe_regions(
         if s > e:
             continue
         inside = set(compute[s : e + 1])
-        inputs = {_root(a) for m in inside for a in m.all_input_nodes if a not in inside and a.op != "get_attr"}
+        inputs = {view_root(a) for m in inside for a in m.all_input_nodes if a not in inside and a.op != "get_attr"}
         later = next((compute[j] for j in range(e + 1, len(compute)) if inputs & set(writes[j])), None)
         if later is not None:
             notes.append(

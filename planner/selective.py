@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import SelectiveReplayError
-from .rewrite import compute_nodes, mutated_inputs, written_roots
+from .mutation import compute_nodes, mutated_inputs, written_roots
 
 __all__ = [
     "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",

@@ -452,7 +452,7 @@ def finish_profile(
     node whose policy would also cache intermediates that eager frees at once is recomputed instead,
     so the simulator's figure for a kept node is the allocator's.
     """
-    from .rewrite import compute_nodes
+    from .mutation import compute_nodes
     from .selective import saveable_flags
 
     compute = compute_nodes(gm.graph)

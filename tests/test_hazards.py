@@ -19,8 +19,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from ckpt_planner.api import Planner
 from ckpt_planner.capture import capture
+from ckpt_planner.mutation import compute_nodes, mutated_inputs
 from ckpt_planner.profile import ProfileConfig
-from ckpt_planner.rewrite import compute_nodes, rewrite, safe_regions
+from ckpt_planner.rewrite import rewrite, safe_regions
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.verify import default_loss
 from torch.utils import _pytree as pytree
@@ -199,7 +200,7 @@ class InplaceBlocks(nn.Module):
 def _start_at_inplace(cap) -> list[tuple[int, int]]:
     """Regions that each begin at a node writing in place into the node before it."""
     nodes = compute_nodes(cap.graph_module.graph)
-    starts = [i for i, n in enumerate(nodes) if rewrite_mod.mutated_inputs(cap.graph_module, n) and i > 0]
+    starts = [i for i, n in enumerate(nodes) if mutated_inputs(cap.graph_module, n) and i > 0]
     assert starts, "the model must have in-place nodes"
     return [(s, len(nodes) - 1) for s in starts[:1]] + [(s, s + 1) for s in starts[1:] if s + 1 < len(nodes)]
 
