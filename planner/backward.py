@@ -1,6 +1,6 @@
 """The backward's temporaries: what a node's backward step holds beyond the gradients the simulator counts.
 
-After the profiler's recording run (planner/profile.py), one backward runs with a
+After the profiler's recording run (planner/record.py), one backward runs with a
 live-storage counter (`LiveMemory`) and a pre-hook on every autograd node, each
 attributed to the fx node whose forward made it. A node's `backward_temp_bytes`
 is the peak its backward step reached over the simulator's figure for that step
@@ -24,12 +24,12 @@ from torch.utils import _pytree as pytree
 
 from .capture import _key_line
 from .graph import CostGraph
+from .loss import default_loss
 from .memory import AllocatorMeter, LiveMemory, alive
 from .solvers.simulate import simulate
-from .verify import default_loss
 
 if TYPE_CHECKING:
-    from .profile import CostProfiler
+    from .record import CostProfiler
 
 __all__ = ["measure_backward", "with_backward_temps"]
 

@@ -18,7 +18,7 @@ __all__ = ["interleaved_step_times", "measure_compiled_step", "summary_rows"]
 
 
 def _loss(output: Any) -> torch.Tensor:
-    from .verify import default_loss
+    from .loss import default_loss
 
     return default_loss(output)
 

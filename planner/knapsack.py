@@ -31,7 +31,8 @@ from torch._inductor.custom_graph_pass import CustomKnapsackSolver, get_hash_for
 from torch.utils import _pytree as pytree
 
 from .errors import InputError
-from .profile import ProfileConfig, _flop_formulas, _roofline
+from .profile import ProfileConfig, _roofline
+from .record import flop_formulas
 
 __all__ = ["Candidate", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "inductor_backend", "solve_knapsack"]
 
@@ -65,7 +66,7 @@ def estimate_candidate(node: torch.fx.Node, config: ProfileConfig) -> Candidate:
     out = node.meta.get("val")
     flops = 0
     target = node.target
-    formula = _flop_formulas().get(getattr(target, "overloadpacket", None))
+    formula = flop_formulas().get(getattr(target, "overloadpacket", None))
     if formula is not None:
         try:
             flops = int(formula(*args, **kwargs, out_val=out))

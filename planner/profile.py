@@ -1,8 +1,8 @@
 """Per-node costs of a captured graph: bytes saved for backward, output bytes, time, FLOPs.
 
-`CostProfiler` is an fx.Interpreter that runs the graph once with a
-`saved_tensors_hooks` pack hook around each node and a live-storage counter,
-then several times more for timing. Storages are identified by their
+`CostProfiler` (planner/record.py) runs the graph several times for timing,
+then once more with a `saved_tensors_hooks` pack hook around each node and a
+live-storage counter; this module builds the CostGraph from that record. Storages are identified by their
 StorageImpl, so a saved tensor is attributed to the node that allocated its
 storage (Linear saves its input: that is the producer's memory) and counted
 once. Parameters, buffers and graph inputs are not activations.
@@ -28,22 +28,19 @@ a real CPU step's; one dispatch mode counts storages and FLOPs together.
 
 from __future__ import annotations
 
-import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 from .backward import measure_backward, with_backward_temps
 from .capture import Capture, flatten_for_graph
-from .errors import InputError, ProfileError
+from .errors import InputError
 from .graph import CostGraph, NodeCost, StorageCost
-from .memory import AllocatorMeter, LiveMemory, alive, storage_key
-from .rewrite import mutated_inputs, written_roots
+from .memory import alive, storage_key
+from .mutation import mutated_inputs, writes_by_schema, written_roots
+from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
 from .rng import rng_state_bytes, uses_rng
 from .selective import try_policy_costs
 from .state import rng_preserved
@@ -86,10 +83,6 @@ class ProfileConfig:
     same on every run (planner.timing_store). False: measure afresh and store nothing."""
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
-
-
 def _module_path(node: fx.Node) -> str:
     if node.op == "call_module":
         return str(node.target)
@@ -108,85 +101,6 @@ def _clean_path(path: str) -> str:
     return path.strip(".")
 
 
-def _mutates_input(node: fx.Node) -> bool:
-    """True for ops that write into one of their arguments (add_, copy_, index_put_...)."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
-class CostProfiler(fx.Interpreter):
-    """Runs the graph and records, per node, storages made, storages saved and time."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm, garbage_collect_values=False)
-        self.record = False
-        self.times: dict[str, list[float]] = {}
-        self.sync = None
-        self.meta_to_cpu = False
-        """Fake runs of a graph captured on the meta device: its `device=meta` constants mean cpu."""
-        self.grad_fns: dict[Any, str] = {}
-        """Autograd node -> name of the fx node whose forward made it (recording runs)."""
-        self.step_output: Any = None
-        """The graph's output of the recording run, for the backward that follows it."""
-        self.meter: AllocatorMeter | None = None
-        """The allocator meter of the recording run (real tensors only): a window per node."""
-
-    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if self.meta_to_cpu:
-            args, kwargs = _meta_to_cpu(args, kwargs)
-        return super().call_function(target, args, kwargs)
-
-    def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
-        """Attribute the autograd nodes this node's forward made (reachable, not yet owned) to it."""
-        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
-                continue
-            self.grad_fns[fn] = n.name
-            stack.extend(f for f, _ in fn.next_functions)
-
-    def run_node(self, n: fx.Node) -> Any:
-        if not self.record:
-            t0 = time.perf_counter()
-            try:
-                out = super().run_node(n)
-            except Exception as e:
-                raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
-            if self.sync is not None:
-                self.sync()
-            self.times.setdefault(n.name, []).append(time.perf_counter() - t0)
-            return out
-        # Weak references: every autograd node saving through this hook keeps the hook (and what
-        # it refers to) alive until its own backward, so a strong list would hold all of the fx
-        # node's saved tensors until its last autograd node ran, where a real step frees each
-        # one after its own (a decomposed attention's probabilities, +8 % on a Wav2Vec2).
-        packed: list[weakref.ref] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(weakref.ref(t))
-            return t
-
-        if self.meter is not None:
-            self.meter.mark(n.name)
-        before = self.mem.current
-        self.mem.reset_peak()
-        flops0 = self.flops.get_total_flops() if self.flops is not None else 0
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = super().run_node(n)
-        except Exception as e:
-            raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
-        flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
-        self._own_grad_fns(n, out)
-        self.mem.track(out)
-        self.events[n.name] = (packed, self.mem.peak - before, self.mem.current - before, flops)
-        return out
-
-
 def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.device | None = None) -> CostGraph:
     """Measure every node of the captured graph; see the module docstring."""
     config = config or ProfileConfig()
@@ -194,10 +108,10 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     flat = flatten_for_graph(gm, cap.args, cap.kwargs)
     meta = (
         config.meta
-        or any(t.device.type == "meta" for t in _tensors(flat))
+        or any(t.device.type == "meta" for t in strided_tensors(flat))
         or any(p.device.type == "meta" for p in gm.parameters())
     )
-    dev = device or next((t.device for t in _tensors(flat)), torch.device("cpu"))
+    dev = device or next((t.device for t in strided_tensors(flat)), torch.device("cpu"))
     with rng_preserved():
         if meta:
             cost, (cached, ops) = _profile_fake(gm, flat, config, dev)
@@ -210,48 +124,16 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:
     ext: dict[int, torch.Tensor] = {}
-    for t in list(gm.parameters()) + list(gm.buffers()) + _tensors(flat):
+    for t in list(gm.parameters()) + list(gm.buffers()) + strided_tensors(flat):
         ext[storage_key(t)] = t
     return ext
-
-
-def _run_recording(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, fake_mode=None):
-    prof = CostProfiler(gm)
-    prof.record = True
-    prof.events = {}
-    prof.meta_to_cpu = fake_mode is not None
-    import contextlib
-
-    with contextlib.ExitStack() as stack:
-        if fake_mode is not None:
-            # One dispatch mode that counts storages and FLOPs: on fake tensors the
-            # mode layers are most of the cost, and the figures are the same.
-            stack.enter_context(fake_mode)
-            prof.mem = _FakeRecorder(count_flops=config.count_flops)
-            prof.flops = prof.mem if config.count_flops else None
-        else:
-            prof.mem = LiveMemory()
-            prof.flops = FlopCounterMode(display=False) if config.count_flops else None
-            if prof.flops is not None:
-                stack.enter_context(prof.flops)
-            if config.allocator:
-                prof.meter = stack.enter_context(AllocatorMeter(_device_of(gm, flat)))
-        stack.enter_context(prof.mem)
-        prof.step_output = prof.run(*flat, enable_io_processing=False)
-    return prof
-
-
-def _device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
-    for t in _tensors(flat) + list(gm.parameters()) + list(gm.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device) -> CostGraph:
     if config.flop_times:
         if not config.count_flops:
             raise InputError("profile_config.flop_times: needs count_flops=True (FLOPs are what it times by)")
-        prof = _run_recording(gm, flat, config)
+        prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator)
         cost = _build(gm, flat, prof, None, method="flops", device=str(dev), config=config)
         return with_backward_temps(cost, measure_backward(gm, prof))
     timer = CostProfiler(gm)
@@ -263,7 +145,7 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         timer.run(*flat, enable_io_processing=False)
         del timer.env
         timer.env = {}
-    prof = _run_recording(gm, flat, config)
+    prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator)
     cost = _build(gm, flat, prof, robust_times(timer.times), method="measured", device=str(dev))
     return with_backward_temps(with_fastest(cost, timer.times), measure_backward(gm, prof))
 
@@ -279,113 +161,19 @@ def _profile_fake(
         for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
     }
     memo: dict[int, torch.Tensor] = {}
-    fakes = {n: _fake_of(fake_mode, t, memo) for n, t in real_state.items()}
-    flat_fake = [_fake_of(fake_mode, t, memo) if isinstance(t, torch.Tensor) else t for t in flat]
+    fakes = {n: fake_of(fake_mode, t, memo) for n, t in real_state.items()}
+    flat_fake = [fake_of(fake_mode, t, memo) if isinstance(t, torch.Tensor) else t for t in flat]
     # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
     _swap_state(gm, fakes)
     try:
-        prof = _run_recording(gm, flat_fake, config, fake_mode)
+        prof = run_recording(gm, flat_fake, count_flops=config.count_flops, allocator=config.allocator, fake_mode=fake_mode)
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
         built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
         with fake_mode:
-            costs = try_policy_costs(gm, flat_fake, convert=_meta_to_cpu)
+            costs = try_policy_costs(gm, flat_fake, convert=meta_to_cpu)
     finally:
         _swap_state(gm, real_state)
     return built, costs
-
-
-def _fake_of(fake_mode: Any, t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
-    """A fake tensor standing for t; a meta tensor becomes a fake CPU tensor.
-
-    On the meta device, scaled_dot_product_attention takes the float32 math path
-    and saves [B, H, T, T] attention matrices; a fake CPU tensor dispatches to
-    the fused kernel a real run uses (it saves the output and a [B, H, T]
-    logsumexp), so the bytes are those of a real step. No memory is allocated.
-    Tied tensors (one object under two names) get one fake (memo by id).
-    """
-    if t.device.type != "meta":
-        return fake_mode.from_tensor(t)
-    fake = memo.get(id(t))
-    if fake is None:
-        with fake_mode:
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-        fake.requires_grad_(t.requires_grad)
-        memo[id(t)] = fake
-    return fake
-
-
-class _FakeRecorder(LiveMemory):
-    """LiveMemory that also counts FLOPs as torch's FlopCounterMode does (same formulas).
-
-    Ops without a FLOP formula that decompose are run decomposed so their parts
-    are counted; only the top-level op's storages are tracked, as with the two
-    modes stacked. The CPU fused attention kernel is counted like CUDA flash attention.
-    """
-
-    def __init__(self, *, count_flops: bool = True) -> None:
-        super().__init__()
-        self.count_flops = count_flops
-        self.total_flops = 0
-        self._nested = False
-
-    def get_total_flops(self) -> int:
-        return self.total_flops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        args, kwargs = _meta_to_cpu(args, kwargs)  # inside higher-order ops' subgraphs
-        formula = _flop_formulas().get(func._overloadpacket) if self.count_flops else None
-        if self.count_flops and formula is None and func not in _NO_DECOMPOSE:
-            nested, self._nested = self._nested, True
-            try:
-                with self:
-                    out = func.decompose(*args, **kwargs)
-            finally:
-                self._nested = nested
-            if out is not NotImplemented:
-                if not nested:
-                    self._track_out(out)
-                return out
-            _NO_DECOMPOSE.add(func)
-        out = func(*args, **kwargs)
-        if formula is not None:
-            self.total_flops += formula(*args, **kwargs, out_val=out)
-        if not self._nested:
-            self._track_out(out)
-        return out
-
-    def _track_out(self, out: Any) -> None:
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                self._add(t.untyped_storage())
-
-
-_META, _CPU = torch.device("meta"), torch.device("cpu")
-
-
-def _meta_to_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """args and kwargs with torch.device('meta') replaced by cpu (see _fake_of)."""
-    if not any(isinstance(a, torch.device) and a == _META for a in (*args, *kwargs.values())):
-        return args, kwargs
-    args = tuple(_CPU if isinstance(a, torch.device) and a == _META else a for a in args)
-    kwargs = {k: _CPU if isinstance(v, torch.device) and v == _META else v for k, v in kwargs.items()}
-    return args, kwargs
-
-
-_NO_DECOMPOSE: set = set()  # ops found to have no decomposition (and metadata queries)
-_FORMULAS: dict = {}  # op overload packet -> FLOP formula
-
-
-def _flop_formulas() -> dict:
-    if not _FORMULAS:
-        from torch.utils.flop_counter import flop_registry
-
-        _NO_DECOMPOSE.add(torch.ops.prim.device.default)
-        _FORMULAS.update(flop_registry)
-        flash = flop_registry.get(torch.ops.aten._scaled_dot_product_flash_attention)
-        if flash is not None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-            _FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = flash
-    return _FORMULAS
 
 
 def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:
@@ -441,7 +229,7 @@ def _build(
         reads: list[int] = []
         in_bytes = 0
         for arg in n.all_input_nodes:
-            for t in _tensors(env.get(arg)):
+            for t in strided_tensors(env.get(arg)):
                 key = storage_key(t)
                 in_bytes += t.numel() * t.element_size()
                 if key in owner and owner[key] not in reads:
@@ -458,7 +246,7 @@ def _build(
             # A reshaping view (view, transpose, permute...): its backward hands the gradient on
             # as a view, so its gradient is its base's, made by the view's consumers' backward.
             grad_of[n.name] = grad_of.get(base.name, index[base.name])
-        for t in _tensors(value):
+        for t in strided_tensors(value):
             key = storage_key(t)
             if key in external or key in owner:
                 # No new storage: an in-place op (relu_, add_) or a view of an activation. The
@@ -497,7 +285,7 @@ def _build(
         )
         recomputable = not (
             (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
-            or (_mutates_input(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
+            or (writes_by_schema(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
             or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
         )
         nodes.append(
@@ -521,12 +309,12 @@ def _build(
                 "recomputable": recomputable,
                 "rng_state_bytes": rng_bytes if uses_rng(gm, n) else 0,
                 "saved_tensors": len(packed),
-                "shapes": [list(t.shape) for t in _tensors(value)][:4],
-                "dtype": str(_tensors(value)[0].dtype).replace("torch.", "") if _tensors(value) else "",
+                "shapes": [list(t.shape) for t in strided_tensors(value)][:4],
+                "dtype": str(strided_tensors(value)[0].dtype).replace("torch.", "") if strided_tensors(value) else "",
             }
         )
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    for t in _tensors(env.get(output_node, None)) if output_node in env else []:
+    for t in strided_tensors(env.get(output_node, None)) if output_node in env else []:
         key = storage_key(t)
         if key in owner:
             storages[owner[key]]["is_output"] = True
@@ -555,7 +343,7 @@ def _build(
         t.untyped_storage().nbytes()
         for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
     )
-    input_bytes = sum(t.untyped_storage().nbytes() for t in {storage_key(t): t for t in _tensors(flat)}.values())
+    input_bytes = sum(t.untyped_storage().nbytes() for t in {storage_key(t): t for t in strided_tensors(flat)}.values())
     return CostGraph(
         nodes=node_costs,
         storages=storage_costs,
@@ -572,12 +360,12 @@ def _viewed_node(n: fx.Node, value: Any, env: dict, owner: dict[int, int]) -> fx
     Views that select part of a tensor (slice, select, split) are not reshaping views: their
     backward makes a new gradient of the whole base.
     """
-    outs = _tensors(value)
+    outs = strided_tensors(value)
     if len(outs) != 1 or not outs[0].requires_grad or storage_key(outs[0]) not in owner:
         return None
     out = outs[0]
     for a in n.all_input_nodes:
-        ins = _tensors(env.get(a))
+        ins = strided_tensors(env.get(a))
         if a.op not in ("placeholder", "get_attr") and len(ins) == 1 and storage_key(ins[0]) == storage_key(out):
             return a if ins[0].numel() == out.numel() and ins[0].dtype == out.dtype else None
     return None

@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import normalize_inputs
+from .loss import default_loss  # re-exported: callers import it from here
 from .memory import AllocatorMeter, LiveMemory
 from .plan import Plan
 from .progress import logger, progress_enabled, stage
@@ -85,24 +86,6 @@ class Report:
     @property
     def exact(self) -> bool:
         return self.outputs_equal and self.buffers_equal and self.grads_equal
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The model's `loss` when it returns one, else the sum of its floating outputs."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
-    terms = [
-        t.sum()
-        for t in pytree.tree_leaves(output)
-        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
-    ]
-    if not terms:
-        raise ValueError("output: no floating tensor that requires grad, nothing to train")
-    total = terms[0]
-    for t in terms[1:]:
-        total = total + t
-    return total
 
 
 def measure_step(

@@ -1,0 +1,228 @@
+"""The profiler's recording run: one forward of the graph, node by node, that records what each
+node makes, saves for backward, and costs.
+
+`CostProfiler` is the `fx.Interpreter` both runs use: untimed recording (a `saved_tensors_hooks`
+pack hook around each node, a live-storage counter, optionally an allocator meter and a FLOP
+counter) and the plain timed runs. Its record (`events`, `grad_fns`, `step_output`) is what
+`profile.py` builds the CostGraph from and what `backward.py` measures the backward on; both read
+it here, so neither imports the other for it.
+
+On fake tensors (meta mode) one dispatch mode, `FakeRecorder`, counts storages and FLOPs together,
+and tensors on the meta device become fake CPU tensors (see `fake_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import ProfileError
+from .memory import AllocatorMeter, LiveMemory
+
+__all__ = ["CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
+
+
+def strided_tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+
+
+class CostProfiler(fx.Interpreter):
+    """Runs the graph and records, per node, storages made, storages saved and time."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.record = False
+        self.times: dict[str, list[float]] = {}
+        self.sync = None
+        self.meta_to_cpu = False
+        """Fake runs of a graph captured on the meta device: its `device=meta` constants mean cpu."""
+        self.grad_fns: dict[Any, str] = {}
+        """Autograd node -> name of the fx node whose forward made it (recording runs)."""
+        self.step_output: Any = None
+        """The graph's output of the recording run, for the backward that follows it."""
+        self.meter: AllocatorMeter | None = None
+        """The allocator meter of the recording run (real tensors only): a window per node."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.meta_to_cpu:
+            args, kwargs = meta_to_cpu(args, kwargs)
+        return super().call_function(target, args, kwargs)
+
+    def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
+        """Attribute the autograd nodes this node's forward made (reachable, not yet owned) to it."""
+        stack = [t.grad_fn for t in strided_tensors(out) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in self.grad_fns or type(fn).__name__ == "AccumulateGrad":
+                continue
+            self.grad_fns[fn] = n.name
+            stack.extend(f for f, _ in fn.next_functions)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if not self.record:
+            t0 = time.perf_counter()
+            try:
+                out = super().run_node(n)
+            except Exception as e:
+                raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+            if self.sync is not None:
+                self.sync()
+            self.times.setdefault(n.name, []).append(time.perf_counter() - t0)
+            return out
+        # Weak references: every autograd node saving through this hook keeps the hook (and what
+        # it refers to) alive until its own backward, so a strong list would hold all of the fx
+        # node's saved tensors until its last autograd node ran, where a real step frees each
+        # one after its own (a decomposed attention's probabilities, +8 % on a Wav2Vec2).
+        packed: list[weakref.ref] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(weakref.ref(t))
+            return t
+
+        if self.meter is not None:
+            self.meter.mark(n.name)
+        before = self.mem.current
+        self.mem.reset_peak()
+        flops0 = self.flops.get_total_flops() if self.flops is not None else 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = super().run_node(n)
+        except Exception as e:
+            raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+        flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
+        self._own_grad_fns(n, out)
+        self.mem.track(out)
+        self.events[n.name] = (packed, self.mem.peak - before, self.mem.current - before, flops)
+        return out
+
+
+def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, allocator: bool, fake_mode=None) -> CostProfiler:
+    """The recording run (see the module docstring); `allocator`: meter the allocator too (real tensors)."""
+    prof = CostProfiler(gm)
+    prof.record = True
+    prof.events = {}
+    prof.meta_to_cpu = fake_mode is not None
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            # One dispatch mode that counts storages and FLOPs: on fake tensors the
+            # mode layers are most of the cost, and the figures are the same.
+            stack.enter_context(fake_mode)
+            prof.mem = FakeRecorder(count_flops=count_flops)
+            prof.flops = prof.mem if count_flops else None
+        else:
+            prof.mem = LiveMemory()
+            prof.flops = FlopCounterMode(display=False) if count_flops else None
+            if prof.flops is not None:
+                stack.enter_context(prof.flops)
+            if allocator:
+                prof.meter = stack.enter_context(AllocatorMeter(device_of(gm, flat)))
+        stack.enter_context(prof.mem)
+        prof.step_output = prof.run(*flat, enable_io_processing=False)
+    return prof
+
+
+def device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
+    for t in strided_tensors(flat) + list(gm.parameters()) + list(gm.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def fake_of(fake_mode: Any, t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A fake tensor standing for t; a meta tensor becomes a fake CPU tensor.
+
+    On the meta device, scaled_dot_product_attention takes the float32 math path
+    and saves [B, H, T, T] attention matrices; a fake CPU tensor dispatches to
+    the fused kernel a real run uses (it saves the output and a [B, H, T]
+    logsumexp), so the bytes are those of a real step. No memory is allocated.
+    Tied tensors (one object under two names) get one fake (memo by id).
+    """
+    if t.device.type != "meta":
+        return fake_mode.from_tensor(t)
+    fake = memo.get(id(t))
+    if fake is None:
+        with fake_mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        fake.requires_grad_(t.requires_grad)
+        memo[id(t)] = fake
+    return fake
+
+
+class FakeRecorder(LiveMemory):
+    """LiveMemory that also counts FLOPs as torch's FlopCounterMode does (same formulas).
+
+    Ops without a FLOP formula that decompose are run decomposed so their parts
+    are counted; only the top-level op's storages are tracked, as with the two
+    modes stacked. The CPU fused attention kernel is counted like CUDA flash attention.
+    """
+
+    def __init__(self, *, count_flops: bool = True) -> None:
+        super().__init__()
+        self.count_flops = count_flops
+        self.total_flops = 0
+        self._nested = False
+
+    def get_total_flops(self) -> int:
+        return self.total_flops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        args, kwargs = meta_to_cpu(args, kwargs)  # inside higher-order ops' subgraphs
+        formula = flop_formulas().get(func._overloadpacket) if self.count_flops else None
+        if self.count_flops and formula is None and func not in _NO_DECOMPOSE:
+            nested, self._nested = self._nested, True
+            try:
+                with self:
+                    out = func.decompose(*args, **kwargs)
+            finally:
+                self._nested = nested
+            if out is not NotImplemented:
+                if not nested:
+                    self._track_out(out)
+                return out
+            _NO_DECOMPOSE.add(func)
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.total_flops += formula(*args, **kwargs, out_val=out)
+        if not self._nested:
+            self._track_out(out)
+        return out
+
+    def _track_out(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._add(t.untyped_storage())
+
+
+_META, _CPU = torch.device("meta"), torch.device("cpu")
+
+
+def meta_to_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """args and kwargs with torch.device('meta') replaced by cpu (see _fake_of)."""
+    if not any(isinstance(a, torch.device) and a == _META for a in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(_CPU if isinstance(a, torch.device) and a == _META else a for a in args)
+    kwargs = {k: _CPU if isinstance(v, torch.device) and v == _META else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+_NO_DECOMPOSE: set = set()  # ops found to have no decomposition (and metadata queries)
+_FORMULAS: dict = {}  # op overload packet -> FLOP formula
+
+
+def flop_formulas() -> dict:
+    if not _FORMULAS:
+        from torch.utils.flop_counter import flop_registry
+
+        _NO_DECOMPOSE.add(torch.ops.prim.device.default)
+        _FORMULAS.update(flop_registry)
+        flash = flop_registry.get(torch.ops.aten._scaled_dot_product_flash_attention)
+        if flash is not None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            _FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = flash
+    return _FORMULAS
