@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -412,8 +413,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="the timing store's folder (default: a new empty one, so that this run times every "
                          "figure itself; 'off' turns the store off)")
     a = ap.parse_args(argv)
-    store_folder = a.timings or tempfile.mkdtemp(prefix="ckpt-planner-timings-")
-    os.environ[STORE_ENV] = store_folder
     device = torch.device(a.device)
     names = [m for m in a.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
@@ -427,6 +426,18 @@ def main(argv: list[str] | None = None) -> int:
         if a.threads < 1:
             ap.error(f"--threads: {a.threads} must be at least 1")
         torch.set_num_threads(a.threads)
+    # A store of this run's own (removed at the end) unless --timings names one.
+    store_folder = a.timings or tempfile.mkdtemp(prefix="ckpt-planner-timings-")
+    os.environ[STORE_ENV] = store_folder
+    try:
+        return _run(a, device, names, solver_names, compile_budgets, store_folder)
+    finally:
+        if a.timings is None:
+            shutil.rmtree(store_folder, ignore_errors=True)
+
+
+def _run(a: argparse.Namespace, device: torch.device, names: list[str], solver_names: list[str],
+         compile_budgets: list[float], store_folder: str) -> int:
     import torch._dynamo as dynamo
 
     dynamo.config.cache_size_limit = 64
