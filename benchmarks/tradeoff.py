@@ -242,6 +242,29 @@ def _twice(case, problem, solver: str = "auto", fractions: tuple[float, ...] = (
     return out
 
 
+def _headroom(problem) -> dict | None:
+    """The memory a plan may keep beyond the per-block plan's at that plan's predicted peak (simulated).
+
+    Every byte a plan keeps from the forward is alive when the backward starts (at the loss), so the
+    most any plan within the per-block peak keeps beyond the per-block plan is that peak less the
+    per-block plan's own memory over the backward before its first recompute. `None` without blocks.
+    """
+    regions = block_regions(problem)
+    if not regions:
+        return None
+    sim = solvers.simulate(problem, regions, timeline=True)
+    before = []
+    for phase, _node, nbytes in sim.timeline:
+        if phase == "recompute":
+            break
+        if phase == "backward":
+            before.append(nbytes)
+    start = max(before, default=sim.peak_bytes)
+    activations = solvers.simulate(problem, ()).peak_bytes - problem.fixed_bytes
+    return {"per_block_peak_bytes": sim.peak_bytes, "backward_start_bytes": start,
+            "headroom_bytes": sim.peak_bytes - start, "activation_bytes": activations}
+
+
 def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: dict | None = None) -> list[Contender]:
     """Capture and profile once, then solve and rewrite per (solver, activation budget), as optimize() does.
 
@@ -256,6 +279,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
                                  "eager_step_s": cost.step_time_s, "graph_overhead_s": cost.graph_overhead_s,
                                  "recompute_scale": cost.recompute_scale}
     meta["capture_profile_s"] = time.perf_counter() - t0
+    meta["headroom"] = _headroom(problem)
     meta["determinism"] = _twice(case, problem)
     meta["capture_method"] = cap.method
     meta["graph_nodes"] = len(cost.nodes)

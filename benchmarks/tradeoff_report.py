@@ -108,6 +108,8 @@ def analyse(model: dict) -> dict:
                 "plan_predicted": plan["predicted_overhead"], "plan_measured": plan["overhead"],
                 "best_predicted": min(fits) if fits else None,
                 "ratio": min(fits) / plan["predicted_overhead"] if fits else None}
+            if model.get("headroom"):
+                targets[f"vs {peer}"]["model"]["headroom"] = model["headroom"]
     half = next((c for c in ok if c["family"] == "compile" and c["setting"] == 0.5), None)
     if best is not None and half is not None:
         theirs = half["step_s"] / fams["compile"]["ref"] - 1
@@ -374,6 +376,11 @@ def write_report(results: dict, out: Path) -> None:
                            f"predicted {_pct(m['plan_predicted'])}; our cost model's best within its predicted peak: "
                            + ("none" if m["best_predicted"] is None else
                               f"{_pct(m['best_predicted'])} predicted ({m['ratio']:.2f}x)"))
+                h = m.get("headroom")
+                if h:
+                    detail += (f"; room to keep more than the per-block plan at its predicted peak: "
+                               f"{_mb(h['headroom_bytes'])} MB ({100 * h['headroom_bytes'] / max(1, h['activation_bytes']):.0f} % "
+                               f"of the activations; everything kept is alive when the backward starts)")
         elif key == "vs compile@0.5":
             detail = (f"ours {_pct(t['our_overhead'])} at the 50 % level vs compile@0.5 {_pct(t['compile_overhead'])} "
                       f"(at {_mb(t['compile_bytes'])} MB)")
