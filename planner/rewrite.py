@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .fastcode import bound_forward
 from .mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
 from .rng import uses_rng
 
@@ -63,7 +64,9 @@ class CheckpointRegion(torch.nn.Module):
         self.code = python_code.src
         from torch.fx.graph_module import _forward_from_src
 
-        object.__setattr__(self, "_fn", _forward_from_src(python_code.src, python_code.globals))
+        # fx's code for torch.compile to trace; the same code with aten calls bound to their operators otherwise
+        object.__setattr__(self, "_traced_fn", _forward_from_src(python_code.src, python_code.globals))
+        object.__setattr__(self, "_fn", bound_forward(graph))
         object.__setattr__(self, "_root", None)
         self.buffer_names = tuple(buffer_names)
 
@@ -72,6 +75,9 @@ class CheckpointRegion(torch.nn.Module):
 
     def _run(self, *args):
         return self._fn(self._root, *args)
+
+    def _traced_run(self, *args):
+        return self._traced_fn(self._root, *args)
 
     def _contexts(self):
         if self.dispatch_probe:
@@ -86,11 +92,11 @@ class CheckpointRegion(torch.nn.Module):
 
     def forward(self, *args):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
-            return self._run(*args)
+            return self._traced_run(*args) if torch.compiler.is_compiling() else self._run(*args)
         if torch.compiler.is_compiling():
             # The compiled backward recomputes without re-applying buffer mutations,
             # and dynamo accepts no custom context_fn (it fails at compile time).
-            return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=self.random)
+            return checkpoint(self._traced_run, *args, use_reentrant=False, preserve_rng_state=self.random)
         return checkpoint(
             self._run, *args, use_reentrant=False, preserve_rng_state=self.random, context_fn=self._contexts
         )
@@ -132,7 +138,24 @@ def _attr_path(gm: torch.nn.Module, target: str) -> object:
 
 
 class CheckpointedModule(fx.GraphModule):
-    """The checkpointed GraphModule; in eval mode it runs the original model (when it has one)."""
+    """The checkpointed GraphModule; in eval mode it runs the original model (when it has one).
+
+    Its forward runs the graph's code with aten calls bound to their operators (`fastcode.py`), and
+    fx's own code while `torch.compile` traces it.
+    """
+
+    def recompile(self):
+        result = super().recompile()
+        cls = type(self)  # fx makes a class per instance, and recompile sets its forward
+        traced, fast = cls.forward, bound_forward(self.graph)
+
+        def forward(self, *args, **kwargs):
+            if torch.compiler.is_compiling():
+                return traced(self, *args, **kwargs)
+            return fast(self, *args, **kwargs)
+
+        cls.forward = forward
+        return result
 
     def __call__(self, *args, **kwargs):
         model = self.__dict__.get("_original")

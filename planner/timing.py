@@ -398,15 +398,20 @@ def _measured_step(
 ) -> dict[str, float]:
     """with_step_times' step timings, measured this run: the eager and graph steps and, with `regions`, the
     calibration's three steps (CALIBRATION_STEPS)."""
+    from .rewrite import rewrite
+
     checked: tuple[torch.nn.Module, ...] = ()
+    plain = graph
+    try:  # the graph as every plan runs it (its aten calls bound, fastcode.py), with no region
+        plain = rewrite(graph, (), model=model)
+    except Exception:  # noqa: BLE001 - timed as captured
+        pass
     if regions:
         try:
-            from .rewrite import rewrite
-
             checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
         except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
             checked = ()
-    times = step_times(model, graph, args, kwargs, device, *checked)
+    times = step_times(model, plain, args, kwargs, device, *checked)
     eager_s, graph_s = times[0], times[1]
     if eager_s <= 0 or graph_s <= 0:
         return {}
