@@ -55,8 +55,9 @@ def largest_batches(case, measure, solvers: tuple[str, ...], log) -> dict:
             try:
                 module = build(inputs)
                 peak = _peak(module, inputs, measure)
-            except InfeasibleBudgetError:
-                tried.append({"batch": b, "infeasible": True})
+            except InfeasibleBudgetError as e:
+                # The least peak our planner reaches at this batch: what no plan of ours gets below.
+                tried.append({"batch": b, "infeasible": True, "smallest_bytes": getattr(e, "smallest_bytes", None)})
                 break
             except RuntimeError as e:  # out of memory on a device
                 tried.append({"batch": b, "error": str(e)[:120]})

@@ -151,9 +151,20 @@ def analyse(model: dict) -> dict:
 
 
 def _spread(c: dict) -> float:
-    """Half the range of a contender's repeated step times: the noise band of its median. # seconds"""
-    ts = c.get("step_times_s") or [c["step_s"]]
-    return (max(ts) - min(ts)) / 2
+    """The noise band of a contender's step time, in seconds: for the fastest of its rounds, how far its
+    lower quartile lies above it; for the median, half the range of its rounds."""
+    ts = sorted(c.get("step_times_s") or [c["step_s"]])
+    if c["step_s"] == ts[0] and len(ts) > 1:
+        return ts[(len(ts) - 1) // 4] - ts[0] if len(ts) >= 4 else ts[1] - ts[0]
+    return (ts[-1] - ts[0]) / 2
+
+
+def _statistic(meta: dict) -> tuple[str, str]:
+    """How a contender's step time is read from its rounds, and why."""
+    if meta.get("statistic", "median") == "median":
+        return "median", ""
+    return "the fastest", (" The fastest, because load on a shared machine only adds time; the planner's "
+                           "calibration takes the fastest of its rounds too. The JSON keeps every step and the median.")
 
 
 def _mb(n: float | None) -> str:
@@ -231,6 +242,11 @@ def _within(pred: float, meas: float | None, factor: float) -> bool:
     return max(pred / meas, meas / pred) <= factor
 
 
+def _infeasible(t: dict) -> str:
+    least = t.get("smallest_bytes")
+    return " (infeasible)" if least is None else f" (infeasible: least {_mb(least)})"
+
+
 def _batch_lines(model: dict) -> list[str]:
     lb = model.get("largest_batch")
     if not lb:
@@ -241,7 +257,7 @@ def _batch_lines(model: dict) -> list[str]:
              "| contender | largest batch | x none | measured MB at it | batches tried |", "|---|---|---|---|---|"]
     for name, r in lb["contenders"].items():
         b = r.get("batch")
-        tried = ", ".join(f"{t['batch']}" + (" (infeasible)" if t.get("infeasible") else
+        tried = ", ".join(f"{t['batch']}" + (_infeasible(t) if t.get("infeasible") else
                                              f" ({_mb(t['peak_bytes'])})" if "peak_bytes" in t else " (error)")
                           for t in r["tried"])
         lines.append(f"| {name} | {b if b is not None else '-'} | {_num(b / base if b and base else None, '.2f')} | "
@@ -271,8 +287,8 @@ def write_report(results: dict, out: Path) -> None:
         "recorded beside it (column 'LiveMemory'). `LiveMemory` cannot see inside `torch.compile`d code (under "
         "the mode the compiled function reports the eager figure), so compiled contenders are measured by the "
         "allocator only.",
-        f"- Time: median of {meta['repeats']} steps (forward + backward) after {meta['warmup']} warm-up step(s), "
-        "the contenders of a model run round-robin in one process, in a new shuffled order each round, so that load on the machine and the allocator state one step leaves the next hit them alike.",
+        f"- Time: {_statistic(meta)[0]} of {meta['repeats']} steps (forward + backward) after {meta['warmup']} warm-up step(s), "
+        "the contenders of a model run round-robin in one process, in a new shuffled order each round, so that load on the machine and the allocator state one step leaves the next hit them alike." + _statistic(meta)[1],
         *([f"- Node times and call costs: timed by this run's profiles (timing store {meta['timing_store']}: the "
            "first profile of each graph times it, later profiles read what it stored)."] if meta.get("timing_store") else []),
         f"- Ours: solvers {', '.join(meta['solvers_run'])} (registered: {', '.join(meta['solvers_registered'])}) "
