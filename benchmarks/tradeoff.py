@@ -68,7 +68,7 @@ from ckpt_planner.timing import with_step_times  # noqa: E402
 from ckpt_planner.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
 from tradeoff_batch import largest_batches  # noqa: E402
-from tradeoff_models import MODELS  # noqa: E402
+from tradeoff_models import MODELS, SIZES  # noqa: E402
 from tradeoff_report import write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,10 +181,11 @@ def _compiled(model: nn.Module, budget: float | None) -> tuple[nn.Module, list[n
     return torch.compile(twin, backend=backend), list(twin.parameters())
 
 
-def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: float) -> Contender:
+def _contender(name: str, family: str, f, cost, problem, sol, cap, case, wall: float,
+               budget: int | None = None) -> Contender:
     plan = plan_from_solution(cost, problem, sol, cap)
     module = rewrite(cap.graph_module, plan.spans(), model=case.model, saved=plan.saved_indices())
-    return Contender(name, family, f, module, list(case.model.parameters()),
+    return Contender(name, family, f, module, list(case.model.parameters()), budget_bytes=budget,
                      predicted_peak_bytes=plan.predicted_peak_bytes, solve_time_s=wall,
                      regions=len(plan.regions), predicted_recompute_s=plan.predicted_recompute_s,
                      predicted_overhead=plan.predicted_overhead, saved_ops=len(plan.saved_indices()),
@@ -304,7 +305,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
                     smallest = e.smallest_bytes
                 continue
             out.append(_contender(f"ours-{name}@{f}", f"ours-{name}", f, cost, problem, sol, cap, case,
-                                  time.perf_counter() - t1))
+                                  time.perf_counter() - t1, budget))
         for label, budget in (extra_budgets or {}).items():
             t1 = time.perf_counter()
             try:
@@ -314,7 +315,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
                 continue
             f = round((budget - problem.fixed_bytes) / act, 3) if act > 0 else 1.0
             out.append(_contender(f"ours-{name}@{label}", f"ours-{name}", f, cost, problem, sol, cap, case,
-                                  time.perf_counter() - t1))
+                                  time.perf_counter() - t1, budget))
         if smallest is not None and act > 0:
             # The least memory this solver reaches: the smallest budget its infeasible error named.
             t1 = time.perf_counter()
@@ -325,7 +326,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
                 continue
             f = round((smallest - problem.fixed_bytes) / act, 3)
             out.append(_contender(f"ours-{name}@min", f"ours-{name}", f, cost, problem, sol, cap, case,
-                                  time.perf_counter() - t1))
+                                  time.perf_counter() - t1, smallest))
     # Per-block checkpointing's own plan, run through our rewrite and priced by our cost model: the same
     # plan as the per-block contender, so the two measure our execution against theirs, and its
     # prediction beside our solvers' is what the cost model believes the best plan saves over it.
@@ -421,7 +422,8 @@ def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--scale", choices=("tiny", "cpu", "full"), default="cpu")
+    ap.add_argument("--scale", choices=("tiny", "cpu", "wide", "full"), default="cpu",
+                    help="model sizes (tradeoff_models.SIZES); 'wide' (d=256, seq 256, batch 4) is for gpt2 and llama only")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--solvers", default=None,
                     help="comma list (default: every registered solver but 'none', 'auto' and the test oracle 'bruteforce')")
@@ -450,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in names if m not in MODELS]
     if unknown:
         ap.error(f"--models: unknown {unknown}; valid: {', '.join(MODELS)}")
+    unsized = [m for m in names if a.scale not in SIZES.get(m, {a.scale: None})]
+    if unsized:
+        ap.error(f"--scale {a.scale}: no sizes for {unsized}; choose other --models or another --scale")
     # 'auto' runs the others and keeps the best predicted plan, so its plan is one of theirs
     registered = sorted(s for s in solvers.SOLVERS if s not in ("none", "bruteforce", "auto"))
     solver_names = [s for s in a.solvers.split(",") if s] if a.solvers else registered

@@ -75,9 +75,12 @@ _NOT_SEQ = "n/a: the layers take masks / position embeddings besides the hidden 
 SIZES = {
     "gpt2": {"tiny": dict(layers=2, d=64, heads=2, vocab=256, batch=2, seq=32),
              "cpu": dict(layers=6, d=128, heads=4, vocab=2048, batch=2, seq=128),
+             # the shape the overhead gap was first measured on (6 layers x 256, seq 256, batch 4)
+             "wide": dict(layers=6, d=256, heads=4, vocab=2048, batch=4, seq=256),
              "full": dict(layers=12, d=768, heads=12, vocab=50257, batch=8, seq=512)},
     "llama": {"tiny": dict(layers=2, d=64, heads=4, kv=2, ffn=172, vocab=256, batch=2, seq=32),
               "cpu": dict(layers=4, d=128, heads=4, kv=2, ffn=344, vocab=2048, batch=2, seq=128),
+              "wide": dict(layers=4, d=256, heads=4, kv=2, ffn=688, vocab=2048, batch=4, seq=256),
               "full": dict(layers=8, d=1024, heads=16, kv=4, ffn=2816, vocab=32000, batch=4, seq=1024)},
     "bert": {"tiny": dict(layers=2, d=64, heads=2, ffn=128, vocab=256, batch=2, seq=32),
              "cpu": dict(layers=6, d=128, heads=4, ffn=512, vocab=2048, batch=2, seq=128),
