@@ -13,6 +13,7 @@ fx's own code for tracing (`torch.compiler.is_compiling()`) and run this one oth
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph_module import _forward_from_src
 
-__all__ = ["bound_forward"]
+__all__ = ["bound_forward", "switched_forward"]
 
 # `torch.ops.<namespace>.<op>.<overload>(` as fx writes an OpOverload call.
 _CALL = re.compile(r"\btorch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\(")
@@ -59,3 +60,21 @@ def bound_forward(graph: fx.Graph) -> Callable[..., Any]:
         return name + "("
 
     return _forward_from_src(_CALL.sub(bind, code.src), scope)
+
+
+def switched_forward(traced: Callable[..., Any], fast: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward(self, ...)` that runs `traced` while torch.compile traces it and `fast` otherwise.
+
+    Made from its own source on every call: dynamo keeps its compiled code per code object, so one wrapper
+    shared by every checkpointed module would count each new module as a recompile of the last and hit
+    dynamo's recompile limit after eight. The signature is `traced`'s, for callers that bind to it.
+    """
+    src = (
+        "def forward(self, *args, **kwargs):\n"
+        "    if _is_compiling():\n"
+        "        return _traced(self, *args, **kwargs)\n"
+        "    return _fast(self, *args, **kwargs)\n"
+    )
+    forward = _forward_from_src(src, {"_is_compiling": torch.compiler.is_compiling, "_traced": traced, "_fast": fast})
+    forward.__signature__ = inspect.signature(traced)
+    return forward

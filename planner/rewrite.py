@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from .fastcode import bound_forward
+from .fastcode import bound_forward, switched_forward
 from .mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
 from .rng import uses_rng
 
@@ -147,14 +147,7 @@ class CheckpointedModule(fx.GraphModule):
     def recompile(self):
         result = super().recompile()
         cls = type(self)  # fx makes a class per instance, and recompile sets its forward
-        traced, fast = cls.forward, bound_forward(self.graph)
-
-        def forward(self, *args, **kwargs):
-            if torch.compiler.is_compiling():
-                return traced(self, *args, **kwargs)
-            return fast(self, *args, **kwargs)
-
-        cls.forward = forward
+        cls.forward = switched_forward(cls.forward, bound_forward(self.graph))
         return result
 
     def __call__(self, *args, **kwargs):

@@ -126,3 +126,17 @@ def test_no_grad_and_grad_calls_give_the_models_output(grad):
         torch.manual_seed(3)
         got = module(*inputs)
     assert torch.equal(got, expected)
+
+
+def test_each_checkpointed_module_is_its_own_code_to_dynamo():
+    """Dynamo keeps compiled code per code object: were the forward one function shared by every
+    checkpointed module, each new module would count as a recompile of it (`compile=True` compiles each
+    plan's forward, and its sweeps compile dozens of plans of one model)."""
+    model, inputs = _model_and_inputs()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for _ in range(4):
+            compiled = torch.compile(_planned(model, inputs).forward, backend="eager", fullgraph=True)
+            with torch.no_grad():
+                compiled(*inputs)
+    torch._dynamo.reset()
