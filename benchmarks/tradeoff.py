@@ -2,7 +2,8 @@
 
 For each model, every contender runs the same training step (forward + backward)
 in the same process, timed round-robin (in a new shuffled order each round, so that no contender
-always follows the same one and inherits its allocator state) so that machine noise hits them alike:
+always follows the same one and inherits its allocator state) so that machine noise hits them alike;
+a contender's step time is the fastest of its rounds (`--statistic median` for the median):
 
 - none: no checkpointing (the baseline);
 - per-block: every transformer layer checkpointed (HF `gradient_checkpointing_enable`,
