@@ -76,7 +76,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OUR_BUDGETS = (0.25, 0.5, 0.75)
 COMPILE_BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # A contender's step time from its interleaved rounds. The fastest: load on a shared machine only adds
-# time (the same round's steps of one plan spread by 30 % and more on two cores), and the planner's
+# time (one contender's steps in one run spread by 30 % and more on two cores), and the planner's
 # calibration takes the fastest of its rounds too, so prediction and measurement read alike.
 STATISTICS = {"fastest": min, "median": statistics.median}
 
@@ -343,7 +343,7 @@ def ours(case, args, kwargs, solver_names, budgets, meta: dict, extra_budgets: d
 
 def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats, warmup, log,
               batch_solvers: tuple[str, ...] = (), statistic: str = "fastest") -> dict:
-    meta: dict = {"name": case.name, "title": case.title, "shapes": case.shapes,
+    meta: dict = {"name": case.name, "title": case.title, "shapes": case.shapes, "statistic": statistic,
                   "parameters": sum(p.numel() for p in case.model.parameters())}
     contenders = [Contender("none", "none", None, case.model, list(case.model.parameters()))]
     twin = copy.deepcopy(case.model)

@@ -130,7 +130,8 @@ def analyse(model: dict) -> dict:
         if not _same_budget(c, u):
             continue
         compared += 1
-        band = max(_spread(c), _spread(u))
+        fastest = model.get("statistic", "median") == "fastest"
+        band = max(_spread(c, fastest), _spread(u, fastest))
         if c["step_s"] - u["step_s"] > band:
             slower.append(f"{c['name']} {1e3 * c['step_s']:.1f} ms vs uniform {1e3 * u['step_s']:.1f} ms (band {1e3 * band:.1f})")
     if compared:
@@ -161,12 +162,12 @@ def _same_budget(a: dict, b: dict) -> bool:
     return not (a["name"].endswith("@min") or b["name"].endswith("@min"))
 
 
-def _spread(c: dict) -> float:
+def _spread(c: dict, fastest: bool) -> float:
     """The noise band of a contender's step time, in seconds: for the fastest of its rounds, how far its
     lower quartile lies above it; for the median, half the range of its rounds."""
     ts = sorted(c.get("step_times_s") or [c["step_s"]])
-    if c["step_s"] == ts[0] and len(ts) > 1:
-        return ts[(len(ts) - 1) // 4] - ts[0] if len(ts) >= 4 else ts[1] - ts[0]
+    if fastest:
+        return ts[(len(ts) - 1) // 4] - ts[0] if len(ts) >= 4 else ts[min(1, len(ts) - 1)] - ts[0]
     return (ts[-1] - ts[0]) / 2
 
 
@@ -321,6 +322,7 @@ def write_report(results: dict, out: Path) -> None:
     base_of = {m["name"]: next(c for c in m["contenders"] if c["name"] == "none")["measured_peak_bytes"]
                for m in results["models"]}
     for model in results["models"]:
+        model.setdefault("statistic", meta.get("statistic", "median"))  # how step_s was read from the rounds
         model["analysis"] = a = analyse(model)
         png = _plot(model, out)
         ok = [c for c in model["contenders"] if "step_s" in c]

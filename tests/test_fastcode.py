@@ -2,8 +2,8 @@
 
 `planner/fastcode.py` rewrites fx's `torch.ops.aten.x.default(...)` calls to the operator itself, so a
 step pays no `OpOverload.__call__` frame per op. These tests count those frames in one training step
-of a planned, exported GPT (dropout on, so regions replay the generator), check outputs, gradients and
-buffers bitwise against the model and against fx's own code, and compile the module with
+of a planned, exported GPT (dropout on, so regions replay the generator), check outputs and every
+gradient bitwise against the model and against fx's own code, and compile the module with
 `fullgraph=True`, which fails on a call dynamo cannot trace.
 """
 
@@ -93,7 +93,10 @@ def test_a_deep_copy_and_a_recompile_keep_the_bound_code(monkeypatch):
     assert counter.calls == 0
 
 
-def test_calls_that_are_not_aten_overloads_stay_as_fx_wrote_them():
+def test_aten_calls_are_bound_and_other_calls_run_as_fx_wrote_them(monkeypatch):
+    """A symbolically traced graph mixes an aten overload with torch functions and methods: only the
+    overload is bound, and the rest still run (same result as fx's code)."""
+
     class Small(torch.nn.Module):
         def forward(self, x):
             return torch.relu(x) + torch.ops.aten.sin.default(x) * x.cos()
@@ -101,8 +104,12 @@ def test_calls_that_are_not_aten_overloads_stay_as_fx_wrote_them():
     gm = fx.symbolic_trace(Small())
     forward = bound_forward(gm.graph)
     x = torch.randn(5)
-    assert torch.equal(forward(gm, x), Small()(x))
-    assert "torch.relu(" in gm.code  # fx's own code is untouched
+    counter = _CountOverloadCalls(monkeypatch)
+    expected = gm(x)
+    assert counter.calls == 1  # fx's code: the one aten overload goes through OpOverload.__call__
+    counter.calls = 0
+    assert torch.equal(forward(gm, x), expected)
+    assert counter.calls == 0
 
 
 def test_torch_compile_traces_the_checkpointed_module_whole():
