@@ -360,6 +360,11 @@ class Plan:
         cap = self._matching_capture(model, example_inputs)
         if self.problem is None:
             self.problem = self.check_figures(model, cap)
+        else:  # not profiled in this capture: which nodes draw random numbers, from one run
+            from .capture import flatten_for_graph
+            from .rng import observe_random
+
+            observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
         self.module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
         from .shapes import ShapeGuard, input_shapes
 

@@ -41,7 +41,7 @@ from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, storage_key
 from .mutation import mutated_inputs, writes_by_schema, written_roots
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
-from .rng import rng_state_bytes, uses_rng
+from .rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
 from .selective import try_policy_costs
 from .state import rng_preserved
 from .timing import finish_profile, robust_times, with_fastest
@@ -285,6 +285,7 @@ def _build(
         )
         recomputable = not (
             (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
+            or n.meta.get(UNREPLAYABLE_META, False)  # a draw written aside (rrelu's noise): rng.py
             or (writes_by_schema(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
             or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
         )

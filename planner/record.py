@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import ProfileError
 from .memory import AllocatorMeter, LiveMemory
+from .rng import SeededOps, generator_states, mark_random, moved
 
 __all__ = ["CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
 
@@ -49,6 +50,25 @@ class CostProfiler(fx.Interpreter):
         """The graph's output of the recording run, for the backward that follows it."""
         self.meter: AllocatorMeter | None = None
         """The allocator meter of the recording run (real tensors only): a window per node."""
+        self.seeded: SeededOps | None = None
+        """The recording run's record of which nodes drew random numbers (rng.py)."""
+        self.watch_generators = False
+        """Recording on real tensors: also compare the generators' states around each node."""
+        self._generators: tuple[str | None, list[torch.Tensor]] | None = None
+
+    def check_generators(self, following: str | None) -> None:
+        """Close the generator watch of the node that ran last (its states against those before it) and
+        start one for `following`. The snapshots are taken in a meter window of their own, so no node's
+        allocator window sees them made or freed."""
+        if not self.watch_generators:
+            return
+        if self.meter is not None:
+            self.meter.mark(_GENERATOR_WINDOW)
+        if self._generators is not None:
+            node, before = self._generators
+            if node is not None and moved(before):  # drew without a tagged op (a custom kernel)
+                self.seeded.random.add(node)
+        self._generators = (following, generator_states())
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.meta_to_cpu:
@@ -86,16 +106,22 @@ class CostProfiler(fx.Interpreter):
             packed.append(weakref.ref(t))
             return t
 
+        self.check_generators(n.name)
         if self.meter is not None:
             self.meter.mark(n.name)
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
+        if self.seeded is not None:
+            self.seeded.node = n.name
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = super().run_node(n)
         except Exception as e:
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+        finally:
+            if self.seeded is not None:
+                self.seeded.node = None
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
         self._own_grad_fns(n, out)
         self.mem.track(out)
@@ -104,7 +130,8 @@ class CostProfiler(fx.Interpreter):
 
 
 def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, allocator: bool, fake_mode=None) -> CostProfiler:
-    """The recording run (see the module docstring); `allocator`: meter the allocator too (real tensors)."""
+    """The recording run (see the module docstring); `allocator`: meter the allocator too (real tensors).
+    Marks the graph's random nodes as it goes (rng.mark_random)."""
     prof = CostProfiler(gm)
     prof.record = True
     prof.events = {}
@@ -114,9 +141,12 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             # One dispatch mode that counts storages and FLOPs: on fake tensors the
             # mode layers are most of the cost, and the figures are the same.
             stack.enter_context(fake_mode)
+            prof.seeded = stack.enter_context(SeededOps())
             prof.mem = FakeRecorder(count_flops=count_flops)
             prof.flops = prof.mem if count_flops else None
         else:
+            prof.seeded = stack.enter_context(SeededOps())
+            prof.watch_generators = True
             prof.mem = LiveMemory()
             prof.flops = FlopCounterMode(display=False) if count_flops else None
             if prof.flops is not None:
@@ -125,7 +155,12 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
                 prof.meter = stack.enter_context(AllocatorMeter(device_of(gm, flat)))
         stack.enter_context(prof.mem)
         prof.step_output = prof.run(*flat, enable_io_processing=False)
+        prof.check_generators(None)
+    mark_random(gm, prof.seeded.random, prof.seeded.unreplayable)
     return prof
+
+
+_GENERATOR_WINDOW = "<generator states>"  # the allocator window of the generator snapshots (no node's)
 
 
 def device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import SelectiveReplayError
 from .mutation import compute_nodes, mutated_inputs, written_roots
+from .rng import RANDOM_META, uses_rng
 
 __all__ = [
     "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",
@@ -88,7 +89,7 @@ class _KeepMode(TorchDispatchMode):
         self.cache, self.position, self.replay = cache, position, replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _IGNORED or not _cacheable(func):
+        if func in _IGNORED or not _cacheable(func) or _cast_cached(func, args):
             return func(*args, **(kwargs or {}))
         if not self.replay or self.cache is None:
             out = func(*args, **(kwargs or {}))
@@ -108,6 +109,18 @@ class _KeepMode(TorchDispatchMode):
                 f"kept node {self.position}: the output of {func} was written in place after the forward cached it"
             )
         return kept
+
+
+def _cast_cached(func, args: tuple) -> bool:
+    """A cast autocast keeps in its cache: a parameter (a leaf that requires grad) cast to the autocast
+    dtype. It runs in the first forward of an autocast context and not in the next ones, nor in a
+    recompute inside the same context, while a recompute in the backward (autocast re-entered
+    fresh) runs it again: it is run wherever it is asked for and never cached, so the kept ops'
+    order does not depend on that cache. The cast is exact, so running it again gives the same."""
+    if func is not _TO_COPY or not args:
+        return False
+    t = args[0]
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
 
 
 def _versions(kept: Any) -> tuple[int, ...]:
@@ -186,6 +199,7 @@ _IGNORED = frozenset(
     getattr(torch_checkpoint, "SAC_IGNORED_OPS", ())
     or (torch.ops.aten.detach.default, torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.dim.default)
 )
+_TO_COPY = torch.ops.aten._to_copy.default
 _FACTORIES = ("empty", "empty_like", "new_empty", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like")
 _RANDOM = re.compile(r"dropout|bernoulli|rand", re.IGNORECASE)
 
@@ -220,7 +234,8 @@ def saveable_flags(gm: fx.GraphModule) -> list[bool]:
         tensor_out = value is None or isinstance(value, torch.Tensor) or (
             isinstance(value, Sequence) and any(isinstance(v, torch.Tensor) for v in value)
         )
-        random = bool(_RANDOM.search(_kind(gm, n)))  # fills a buffer in place inside the op (a mask)
+        # fills a buffer in place inside the op (a mask); by what the profile saw it draw, else by name
+        random = uses_rng(gm, n) if RANDOM_META in n.meta else bool(_RANDOM.search(_kind(gm, n)))
         out.append(tensor_out and not random and not mutated_inputs(gm, n) and n not in written)
     return out
 
@@ -245,7 +260,7 @@ class _CacheCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.node is not None:
             self.ops[self.node] = self.ops.get(self.node, 0) + 1
-        if self.node is not None and _cacheable(func):
+        if self.node is not None and _cacheable(func) and not _cast_cached(func, args):
             before = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             new = {_key(t): t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
             self.bytes[self.node] = self.bytes.get(self.node, 0) + sum(b for k, b in new.items() if k not in before)

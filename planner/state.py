@@ -12,15 +12,23 @@ __all__ = ["ModelState", "rng_preserved"]
 
 @contextlib.contextmanager
 def rng_preserved() -> Iterator[None]:
-    """Restore the CPU and CUDA generators afterwards (profiling runs dropout)."""
+    """Restore the CPU and CUDA generators afterwards (profiling runs dropout), and numpy's and Python's
+    global generators (model code may draw from them: transformers' SpecAugment masks use numpy)."""
+    import random
+
+    import numpy as np
+
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    host = (np.random.get_state(), random.getstate())
     try:
         yield
     finally:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        np.random.set_state(host[0])
+        random.setstate(host[1])
 
 
 class ModelState:
