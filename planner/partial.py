@@ -18,13 +18,21 @@ eagerly, as torch.compile does at graph breaks:
 4. The solution's regions are split back per piece; each piece is rewritten
    and put in place of its submodule in a shallow copy of the model, which
    shares every parameter and buffer and keeps the state_dict keys.
+
+Other shapes: a smaller call runs the plan. A piece whose capture pinned its
+dimensions is captured again at the call's shape and given the same regions
+(by node name; activations only shrink, so the peak stays under the budget).
+A call with a larger input is refused with `ShapeError`, or with
+`on_larger_shape="replan"` the whole model is planned again at its shape.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +40,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import Capture, capture, normalize_inputs
-from .errors import CaptureError
+from .errors import CaptureError, ShapeError
 from .graph import CostGraph
+from .mutation import compute_nodes
 from .plan import Plan, Region
 from .profile import ProfileConfig, profile
 from .rewrite import rewrite, safe_regions
@@ -221,6 +230,8 @@ class PartialPlanner:
         profile_config: ProfileConfig | None = None,
     ) -> None:
         args, kwargs = normalize_inputs(example_inputs, model)
+        self.model_shapes = input_shapes(args, kwargs)
+        """The shapes of the call the model was planned for."""
         found, self.left_out = find_pieces(model, args, kwargs, method=capture_method)
         if not found:
             raise CaptureError(f"{reason}; no submodule of {type(model).__name__} could be captured either")
@@ -244,8 +255,16 @@ class PartialPlanner:
     def baseline_peak_bytes(self) -> int:
         return simulate(self.problem, ()).peak_bytes
 
-    def plan(self, solution, notes: list[str]) -> Plan:
-        """Build the plan and its module from a Solution of `self.problem`."""
+    def plan(
+        self,
+        solution,
+        notes: list[str],
+        *,
+        on_larger_shape: str = "error",
+        replan: Callable[[tuple, dict[str, Any]], torch.nn.Module] | None = None,
+    ) -> Plan:
+        """Build the plan and its module from a Solution of `self.problem`. `replan(args, kwargs)` plans
+        the whole model at a larger call's shape (with on_larger_shape='replan')."""
         problem, regions, built, moved = self.problem, [], {}, []
         for k, piece in enumerate(self.pieces):
             end = self.pieces[k + 1].offset - 1 if k + 1 < len(self.pieces) else problem.n
@@ -256,7 +275,7 @@ class PartialPlanner:
             sub = self.model.get_submodule(piece.path)
             module = rewrite(piece.capture.graph_module, safe, model=sub)
             guard = ShapeGuard(
-                input_shapes(piece.capture.args, piece.capture.kwargs), "error", None,
+                input_shapes(piece.capture.args, piece.capture.kwargs), "error", _piece_rebuild(sub, piece.capture, safe),
                 dynamic_dims=piece.capture.dynamic_dims, signature=inspect.signature(sub.forward),
             )
             object.__setattr__(module, "shape_guard", guard)
@@ -292,6 +311,7 @@ class PartialPlanner:
         )
         plan.problem = problem
         plan.module = _with_replaced(self.model, built)
+        _guard_model(plan.module, self.model_shapes, on_larger_shape, replan)
         return plan
 
     def notes(self) -> tuple[str, ...]:
@@ -306,6 +326,51 @@ class PartialPlanner:
             "predicted peak is an upper bound",
         )
 
+
+
+def _piece_rebuild(sub: torch.nn.Module, cap: Capture, regions: list[tuple[int, int]]):
+    """A piece's module at another call shape: `sub` captured again at it, with the same regions (by
+    node name). For a piece whose capture pinned its dimensions (its guard asks only for smaller shapes)."""
+    names = [n.name for n in compute_nodes(cap.graph_module.graph)]
+    spans = [(names[s], names[e]) for s, e in regions]
+
+    def rebuild(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+        inputs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, dict(kwargs) if kwargs else tuple(args))
+        with ModelState(sub).preserved():  # capturing runs the piece: no trace on its buffers or the RNG
+            again = capture(sub, inputs, method=cap.method)
+        index = {n.name: i for i, n in enumerate(compute_nodes(again.graph_module.graph))}
+        if any(a not in index or b not in index for a, b in spans):
+            raise ShapeError(
+                f"input shape: {type(sub).__name__} captured at {input_shapes(again.args, again.kwargs)} has "
+                "other nodes than the planned graph; plan the model at this shape"
+            )
+        safe, _ = safe_regions(again.graph_module, [(index[a], index[b]) for a, b in spans])
+        return rewrite(again.graph_module, safe, model=sub)
+
+    return rebuild
+
+
+def _guard_model(
+    module: torch.nn.Module,
+    planned,
+    on_larger_shape: str,
+    replan: Callable[[tuple, dict[str, Any]], torch.nn.Module] | None,
+) -> None:
+    """Check a partial plan's training calls at the model's own inputs: a larger one raises ShapeError,
+    or with on_larger_shape='replan' runs the model planned again at its shape (cached per shape)."""
+    guard = ShapeGuard(planned, on_larger_shape, replan)
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if module.training and input_shapes(args, kwargs).larger_than(planned):
+            other = guard.module_for(args, kwargs)
+            if other is not None:
+                return other(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = guarded
+    object.__setattr__(module, "shape_guard", guard)
 
 
 def _short(reason: str) -> str:
