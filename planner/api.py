@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -14,7 +15,8 @@ from .budget import budget_arg as _budget
 from .budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
 from .capture import capture
 from .distributed import check_sharding, shard_problem
-from .errors import CaptureError, InputError, UnplannableError
+from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
+from .exactness import inexact_parts, step_differences
 from .exported import accept_exported
 from .own_checkpoint import own_spans
 from .partial import PartialPlanner
@@ -79,6 +81,7 @@ def optimize(
     partial: bool = True,
     compile: bool = False,
     lowering: str = "best",
+    exact_check: bool = True,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -130,6 +133,10 @@ def optimize(
     the budget is the compiled step's measured allocator peak (see planner/compiled.py). lowering:
     "regions" (whole checkpoint regions), "knapsack" (our knapsack picks the ops compile's partitioner
     recomputes, planner/knapsack.py) or "best" (both; the faster compiled step that fits).
+    exact_check (default True): before a plan is returned, one training step of its module is compared
+    with one of the model (outputs, every gradient, buffers; bitwise on the CPU). A plan that differs
+    is never returned: its kept ops, else the regions that differ, are forbidden and the budget solved
+    again, and the plan's notes say so (planner/exactness.py). Not on fake tensors (nothing runs).
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     if lowering != "best" and not compile:
@@ -147,6 +154,8 @@ def optimize(
             lowering,
         )
     solvers.get_solver(solver)  # unknown names fail before any work
+    if on_larger_shape not in ON_LARGER_SHAPE:
+        raise InputError(f"on_larger_shape: {on_larger_shape!r} is not one of {', '.join(ON_LARGER_SHAPE)}")
     if own_checkpointing not in OWN_CHECKPOINTING:
         raise InputError(f"own_checkpointing: {own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
     try:
@@ -159,6 +168,7 @@ def optimize(
             profile_config=profile_config,
             world_size=world_size,
             sharding=sharding,
+            exact_check=exact_check,
         )
     except CaptureError as e:
         if not partial or world_size != 1 or (device is not None and torch.device(device).type == "meta"):
@@ -172,7 +182,18 @@ def optimize(
         if activation_budget is not None:
             budget = int(part.problem.fixed_bytes + activation_budget * (part.baseline_peak_bytes - part.problem.fixed_bytes))
         solution, notes = solve_partial(part.problem, budget, solver, dict(solver_options or {}), safety_margin)
-        return part.plan(solution, notes)
+        settings = dict(
+            budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+            device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
+            solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+        )
+
+        def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+            if args and kwargs:
+                raise InputError("inputs: a call with both positional and keyword tensors cannot be re-planned")
+            return optimize(model, dict(kwargs) if kwargs else tuple(args), **settings).module
+
+        return part.plan(solution, notes, on_larger_shape=on_larger_shape, replan=replan)
     return planner.plan(
         budget_gb=budget_gb,
         budget_bytes=budget_bytes,
@@ -232,6 +253,7 @@ class Planner:
         profile_config: ProfileConfig | None = None,
         world_size: int = 1,
         sharding: str | None = None,
+        exact_check: bool = True,
     ) -> None:
         _refuse_grad_mode()
         check_sharding(world_size, sharding)
@@ -260,7 +282,10 @@ class Planner:
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
-            world_size=world_size, sharding=sharding,
+            world_size=world_size, sharding=sharding, exact_check=exact_check,
+        )
+        self._check = exact_check and not config.meta and not any(
+            t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())
         )
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
@@ -326,6 +351,9 @@ class Planner:
         with stage("solve", f"solver {solver}, budget "
                    + (f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)")):
             solution, notes = self._solve(budget, solver, options, safety_margin, keep)
+        if self._check and solution.regions:
+            with stage("check", "one step of the plan against the model's own"):
+                solution, notes = self._exact(solution, notes, (budget, solver, options, safety_margin, keep))
         logger.info(
             "solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms",
             solution.solver, len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3,
@@ -397,6 +425,53 @@ class Planner:
             return f"planned for inputs {planned}; the capture pinned every dimension, so any other shape is re-planned"
         return f"planned for inputs {planned}: smaller shapes run this plan, larger ones {larger}"
 
+
+    def _exact(self, solution: Solution, notes: list[str], solve_args: tuple) -> tuple[Solution, list[str]]:
+        """The safety net (planner/exactness.py): `solution` when its step equals the model's, else the
+        plan solved again with what differed forbidden (kept ops, else regions), and a note that says so."""
+        gm, model, cap = self.capture.graph_module, self.model, self.capture
+
+        def differs(regions, saved) -> bool | None:
+            found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs)
+            return None if found is None else bool(found)
+
+        names = [n.name for n in self.problem.nodes]
+        for _ in range(3):
+            verdict = differs(solution.regions, solution.saved) if solution.regions else False
+            if verdict is None:
+                note = "not checked against the model's own step: that step raises as given (its backward fails)"
+                return solution, [*notes, note]
+            if not verdict:
+                return solution, notes
+            kept_only, bad = inexact_parts(solution.regions, solution.saved, differs)
+            nodes = list(self.problem.nodes)
+            if kept_only:
+                for i in solution.saved:
+                    nodes[i] = dataclasses.replace(nodes[i], saveable=False)
+                what = f"its kept ops ({', '.join(names[i] for i in solution.saved[:6])})"
+            else:
+                spans = bad or list(solution.regions)
+                for s, e in spans:
+                    for i in range(s, e + 1):
+                        nodes[i] = dataclasses.replace(nodes[i], recomputable=False)
+                what = "the regions " + ", ".join(f"{names[s]}..{names[e]}" for s, e in spans[:6])
+            notes = [*notes, (
+                f"the plan's training step differed from the model's with {what}: they are not recomputed "
+                "(or kept) by this plan, solved again"
+            )]
+            self.problem = dataclasses.replace(self.problem, nodes=tuple(nodes))
+            self._floors.clear()
+            try:
+                solution, more = self._solve(*solve_args)
+            except solvers.InfeasibleBudgetError as e:
+                raise InexactPlanError(f"{notes[-1]}; without them: {e}") from e
+            notes += more
+        if solution.regions and differs(solution.regions, solution.saved):
+            raise InexactPlanError(
+                f"no plan found whose training step equals the model's: {'; '.join(notes[-3:])}; "
+                "run the model without checkpointing or report the model"
+            )
+        return solution, notes
 
     # -- solving, with every plan re-simulated after its last change ----------------------------
     def _finish(self, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...], list[str]]:

@@ -15,6 +15,7 @@ __all__ = [
     "PlanFileError",
     "PlanMismatchError",
     "SelectiveReplayError",
+    "InexactPlanError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -42,6 +43,10 @@ class ShapeError(InputError):
 
 class SelectiveReplayError(PlannerError):
     """The recompute of a selective region ran other ops than its forward; the message names the position."""
+
+
+class InexactPlanError(PlannerError):
+    """No plan found whose training step equals the model's own; the message names what differs."""
 
 
 class CaptureError(PlannerError):

@@ -9,7 +9,7 @@ from ckpt_planner.profile import ProfileConfig
 
 from .models import mlp
 
-STAGES = ("capture", "profile", "solve", "rewrite")
+STAGES = ("capture", "profile", "solve", "check", "rewrite")  # check: the safety net (exactness.py)
 
 
 def _plan(**kw):

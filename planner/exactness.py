@@ -1,0 +1,102 @@
+"""The safety net: a plan's training step against the model's own, before `optimize` returns it.
+
+One step of the model and one of the checkpointed module run from the same state (buffers, generator
+state), and their outputs, parameter gradients and buffers are compared: bitwise on the CPU, and
+within the dtype's `assert_close` tolerance on other devices, whose atomics may sum in another order
+from run to run. A wrong replay (a random op the planner did not see, a kept op that a cache hid)
+differs by far more than that. `inexact_parts` then finds what is at fault: the kept ops, or the
+regions that differ on their own, so that the planner can forbid them and solve again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .loss import default_loss
+from .state import ModelState
+
+__all__ = ["step_differences", "inexact_parts"]
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None, bitwise: bool) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if bitwise:
+        return torch.equal(a, b)
+    return bool(torch.allclose(a.double(), b.double(), rtol=_rtol(a.dtype), atol=_rtol(a.dtype), equal_nan=True))
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float32: 1.3e-6}.get(dtype, 1e-7) * 10
+
+
+def step_differences(
+    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> list[str] | None:
+    """What differs after one training step of `module` against one of `model` (the model's own
+    parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
+    the step itself where the module's raises and the model's does not. None where the model's own
+    step raises: there is nothing to compare with.
+    The model is left as it was found (buffers, grads, modes, RNG)."""
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    device = next((t.device for _, t in params + buffers), torch.device("cpu"))
+    bitwise = device.type == "cpu"
+    with ModelState(model).preserved():
+        model.train()
+        module.train()
+        start = [b.detach().clone() for _, b in buffers]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+
+        def run(m: torch.nn.Module) -> tuple[list, list, list]:
+            with torch.no_grad():
+                for (_, b), v in zip(buffers, start):
+                    b.copy_(v)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            for _, p in params:
+                p.grad = None
+            out = m(*args, **kwargs)
+            loss = default_loss(out)
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+            outs = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            grads = [None if p.grad is None else p.grad.detach().clone() for _, p in params]
+            return outs, grads, [b.detach().clone() for _, b in buffers]
+
+        try:
+            ref = run(model)
+        except Exception:  # noqa: BLE001 - the model cannot train one step as given: nothing to judge by
+            return None
+        try:
+            got = run(module)
+        except Exception as e:  # noqa: BLE001 - a plan whose step fails where the model's runs differs from it
+            return [f"the step ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"]
+    differ = []
+    if len(ref[0]) != len(got[0]) or not all(_same(a, b, bitwise) for a, b in zip(ref[0], got[0])):
+        differ.append("output")
+    differ += [name for (name, _), a, b in zip(params, ref[1], got[1]) if not _same(a, b, bitwise)]
+    differ += [name for (name, _), a, b in zip(buffers, ref[2], got[2]) if not _same(a, b, bitwise)]
+    return differ
+
+
+def inexact_parts(
+    regions: Sequence[tuple[int, int]],
+    saved: Sequence[int],
+    differs: Callable[[Sequence[tuple[int, int]], Sequence[int]], bool],
+) -> tuple[bool, list[tuple[int, int]]]:
+    """What to forbid in a plan whose step differs: (its kept ops, when the plan without them is exact;
+    else the regions whose step differs each on its own). `differs(regions, saved)` builds and steps
+    a plan. An empty list with False: no single region differs (the fault needs them together)."""
+    if saved and not differs(regions, ()):
+        return True, []
+    bad = [r for r in regions if differs([r], ())]
+    return False, bad
