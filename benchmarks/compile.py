@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckpt_planner import Planner  # noqa: E402
-from ckpt_planner.compiled import CompiledPlanner, _quartiles, measure_compiled_step  # noqa: E402
+from ckpt_planner.compile.compiled import CompiledPlanner, _quartiles, measure_compiled_step  # noqa: E402
 from ckpt_planner.verify import default_loss  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
 

@@ -11,6 +11,8 @@ never loads torch.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -24,11 +26,11 @@ _EXPORTS = {
     "verify": "verify",
     "Plan": "plan",
     "Report": "verify",
-    "capture": "capture",
-    "Capture": "capture",
-    "profile": "profile",
-    "ProfileConfig": "profile",
-    "CostGraph": "graph",
+    "capture": "capture.capture",
+    "Capture": "capture.capture",
+    "profile": "profile.profile",
+    "ProfileConfig": "profile.profile",
+    "CostGraph": "profile.graph",
     "PlannerError": "errors",
     "InputError": "errors",
     "NothingToPlanError": "errors",
@@ -92,10 +94,40 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
+# Module paths from before the stage folders (`ckpt_planner.loading`, `ckpt_planner.compiled`, ...): each
+# imports as its module's new home, so code and apply folders written against them keep working.
+# (`ckpt_planner.capture` and `ckpt_planner.profile` are folders now that re-export their old names.)
+_MOVED = {
+    **{m: f"capture.{m}" for m in ("export_exact", "exported", "own_checkpoint", "shapes", "preflight", "archive",
+                                    "mutation", "rng")},
+    **{m: f"lower.{m}" for m in ("rewrite", "fastcode", "selective", "apply")},
+    **{m: f"profile.{m}" for m in ("record", "backward", "timing", "timing_store", "memory", "graph", "loss")},
+    **{m: f"compile.{m}" for m in ("compiled", "compiled_measure", "knapsack")},
+    **{m: f"cli.{m}" for m in ("cli_args", "loading", "applied", "report", "bench", "examples")},
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        head, _, name = fullname.partition(".")
+        if head == __name__ and name in _MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return importlib.import_module(f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}")
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
+
 
 if TYPE_CHECKING:
     from .api import Planner, optimize
-    from .capture import Capture, capture
+    from .capture.capture import Capture, capture
     from .errors import (
         CaptureError,
         InfeasibleBudgetError,
@@ -108,7 +140,7 @@ if TYPE_CHECKING:
         UnknownSolverError,
         UnplannableError,
     )
-    from .graph import CostGraph
     from .plan import Plan
-    from .profile import ProfileConfig, profile
+    from .profile.graph import CostGraph
+    from .profile.profile import ProfileConfig, profile
     from .verify import Report, verify

@@ -11,21 +11,23 @@ from typing import Any
 import torch
 
 from . import solvers
-from .budget import budget_arg as _budget
+from .budget import check_budget_args as _check_budget_args
 from .budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
-from .capture import capture
+from .capture.capture import capture
+from .capture.exported import accept_exported
+from .capture.own_checkpoint import own_spans
+from .capture.preflight import nothing_to_plan
+from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .distributed import check_sharding, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
-from .exported import accept_exported
-from .own_checkpoint import own_spans
+from .lower.rewrite import rewrite, safe_regions
 from .partial import PartialPlanner
 from .plan import Plan
-from .preflight import nothing_to_plan
-from .profile import ProfileConfig, profile
+from .profile.profile import ProfileConfig, profile
+from .profile.timing import with_step_times
+from .profile.timing_store import open_store
 from .progress import logger, progress_enabled, stage
-from .rewrite import rewrite, safe_regions
-from .shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .solution import (
     kept_saved,
     laminar,
@@ -39,8 +41,6 @@ from .solvers import Solution, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState
 from .steady import plan_key, steady
-from .timing import with_step_times
-from .timing_store import open_store
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
 
@@ -130,9 +130,9 @@ def optimize(
     progress=True shows each stage (capture, profile, solve, rewrite) and the solver's steps
     on stderr; without it they go to the "ckpt_planner" logger (planner/progress.py).
     compile=True: plan.module runs its training step under torch.compile (inductor, fullgraph) and
-    the budget is the compiled step's measured allocator peak (see planner/compiled.py). lowering:
+    the budget is the compiled step's measured allocator peak (see planner/compile/compiled.py). lowering:
     "regions" (whole checkpoint regions), "knapsack" (our knapsack picks the ops compile's partitioner
-    recomputes, planner/knapsack.py) or "best" (both; the faster compiled step that fits).
+    recomputes, planner/compile/knapsack.py) or "best" (both; the faster compiled step that fits).
     exact_check (default True): before a plan is returned, one training step of its module is compared
     with one of the model (outputs, every gradient, buffers; bitwise on the CPU). A plan that differs
     is never returned: its kept ops, else the regions that differ, are forbidden and the budget solved
@@ -142,8 +142,6 @@ def optimize(
     if lowering != "best" and not compile:
         raise InputError(f"lowering: {lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
     if compile:
-        from .compiled import optimize_compiled
-
         return optimize_compiled(
             model, example_inputs,
             dict(device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
@@ -204,16 +202,6 @@ def optimize(
         own_checkpointing=own_checkpointing,
         on_larger_shape=on_larger_shape,
     )
-
-
-def _check_budget_args(budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
-    budget = _budget(budget_gb, budget_bytes)
-    if activation_budget is not None:
-        if budget is not None:
-            raise InputError("activation_budget: give it or a budget in bytes/GB, not both")
-        if not 0 < activation_budget <= 1:
-            raise InputError(f"activation_budget: {activation_budget} must be in (0, 1]")
-    return budget
 
 
 OWN_CHECKPOINTING = ("replace", "keep")
@@ -561,3 +549,25 @@ class Planner:
         )
         floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget)
         return with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
+
+
+def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],
+                      lowering: str = "best") -> Plan:
+    """optimize(..., compile=True): one whole graph planned, compiled, measured and re-planned to fit."""
+    from .compile.compiled import LOWERINGS, CompiledPlanner
+
+    if planner_args.get("world_size", 1) != 1:
+        raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
+                         "drop compile=True or plan one rank with world_size=1")
+    if lowering not in LOWERINGS:
+        raise InputError(f"lowering: {lowering!r} is not one of {', '.join(LOWERINGS)}")
+    device = planner_args.get("device")
+    if device is not None and torch.device(device).type == "meta":
+        raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
+                         "plan on cpu/cuda or drop compile=True")
+    try:
+        planner = Planner(model, example_inputs, **planner_args)
+    except CaptureError as e:
+        raise InputError(f"compile: torch.compile(fullgraph=True) needs the whole model as one graph, and it "
+                         f"could not be captured ({str(e).splitlines()[0]}); drop compile=True to plan it in parts") from e
+    return CompiledPlanner(planner, lowering=lowering).plan(**plan_args)

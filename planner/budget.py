@@ -148,3 +148,14 @@ def budget_arg(budget_gb: float | None, budget_bytes: int | None) -> int | None:
             raise InputError(f"budget_bytes: {budget_bytes} must be positive")
         return int(budget_bytes)
     return None
+
+
+def check_budget_args(budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
+    """The budget in bytes from budget_gb/budget_bytes; InputError on a bad combination or fraction."""
+    budget = budget_arg(budget_gb, budget_bytes)
+    if activation_budget is not None:
+        if budget is not None:
+            raise InputError("activation_budget: give it or a budget in bytes/GB, not both")
+        if not 0 < activation_budget <= 1:
+            raise InputError(f"activation_budget: {activation_budget} must be in (0, 1]")
+    return budget

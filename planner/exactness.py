@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .loss import default_loss
+from .profile.loss import default_loss
 from .state import ModelState
 
 __all__ = ["step_differences", "inexact_parts"]

@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import Capture, capture, normalize_inputs
+from .capture.capture import Capture, capture, normalize_inputs
+from .capture.mutation import compute_nodes
+from .capture.shapes import ShapeGuard, input_shapes
 from .errors import CaptureError, ShapeError
-from .graph import CostGraph
-from .mutation import compute_nodes
+from .lower.rewrite import rewrite, safe_regions
 from .plan import Plan, Region
-from .profile import ProfileConfig, profile
-from .rewrite import rewrite, safe_regions
-from .shapes import ShapeGuard, input_shapes
+from .profile.graph import CostGraph
+from .profile.profile import ProfileConfig, profile
 from .solvers import Node, Problem, Storage, simulate
 from .solvers.simulate import normalize_regions
 from .state import ModelState

@@ -192,9 +192,7 @@ class Plan:
         ]
         compiled = self.stats.get("compiled") if isinstance(self.stats.get("compiled"), dict) else None
         if compiled and self.measured_peak_bytes:
-            from .compiled_measure import summary_rows
-
-            rows[4:] = summary_rows(self, compiled)
+            rows[4:] = _compiled_rows(self, compiled)
         if self.stats.get("own_checkpointing"):
             rows.insert(4, ("model's own checkpointing", f"{self.stats['own_checkpointing']} (savings are against the model as given)"))
         if self.eager_step_s > 0 and not (compiled and compiled.get("lowering") == "knapsack"):
@@ -355,18 +353,18 @@ class Plan:
         return self._rebuild(model, example_inputs)
 
     def _rebuild(self, model: torch.nn.Module, example_inputs: Any) -> torch.nn.Module:
-        from .rewrite import rewrite
+        from .lower.rewrite import rewrite
 
         cap = self._matching_capture(model, example_inputs)
         if self.problem is None:
             self.problem = self.check_figures(model, cap)
         else:  # not profiled in this capture: which nodes draw random numbers, from one run
-            from .capture import flatten_for_graph
-            from .rng import observe_random
+            from .capture.capture import flatten_for_graph
+            from .capture.rng import observe_random
 
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
         self.module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
-        from .shapes import ShapeGuard, input_shapes
+        from .capture.shapes import ShapeGuard, input_shapes
 
         guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
         object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
@@ -378,13 +376,13 @@ class Plan:
         if isinstance(compiled, dict) and compiled.get("lowering") == "knapsack":
             raise InputError(
                 f"{what}: this plan's saving is a choice inside torch.compile's partitioner (knapsack lowering), "
-                "not checkpoint regions; compile the model with ckpt_planner.compiled.compile_saved_plan(model, plan)"
+                "not checkpoint regions; compile the model with ckpt_planner.compile.compiled.compile_saved_plan(model, plan)"
             )
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
         """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
-        from .capture import capture, flatten_for_graph
-        from .mutation import compute_nodes
+        from .capture.capture import capture, flatten_for_graph
+        from .capture.mutation import compute_nodes
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
         cap = capture(model, example_inputs, method=method)
@@ -415,7 +413,7 @@ class Plan:
         import dataclasses
 
         from .distributed import shard_problem
-        from .profile import ProfileConfig, profile
+        from .profile.profile import ProfileConfig, profile
         from .solvers import simulate
         from .solvers.problem import ProblemError
         from .solvers.simulate import normalize_regions
@@ -462,7 +460,7 @@ class Plan:
         are given (graph fingerprint and re-simulated figures, as in `rebuild`); without
         them its recorded module paths are applied as they are.
         """
-        from .apply import apply_plan
+        from .lower.apply import apply_plan
 
         self._refuse_knapsack("apply")
         if self.problem is None and example_inputs is not None:
@@ -471,7 +469,7 @@ class Plan:
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
         """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""
-        from .apply import remove_checkpointing
+        from .lower.apply import remove_checkpointing
 
         return remove_checkpointing(model)
 
@@ -517,3 +515,33 @@ def _jsonable(obj: Any) -> Any:
         if isinstance(obj, (list, tuple)):
             return [_jsonable(v) for v in obj]
         return str(obj)
+
+
+def _compiled_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's rows from 'peak memory, this plan' on, for a plan measured compiled: the measured
+    peak leads; a knapsack plan has no regions and no eager prediction of its own."""
+    fmt_bytes = _fmt_bytes
+    lowering = compiled.get("lowering", "regions")
+    measured = plan.measured_peak_bytes or 0
+    saved = plan.baseline_peak_bytes - measured
+    rows = [
+        ("peak memory, this plan", f"{fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
+         + ("" if lowering == "knapsack" else f"; {fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
+        ("memory saved", f"{fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
+                         "step without checkpointing (the compiled step without a plan is not measured)"),
+    ]
+    k = compiled.get("knapsack")
+    if lowering == "knapsack" and isinstance(k, dict):
+        rows += [
+            ("recompute overhead", f"{k.get('estimated_recompute_s', 0) * 1e3:.1f} ms estimated (FLOP/bytes roofline "
+                                   "of the ops the partitioner may recompute)"),
+            ("recomputed ops", f"no regions: the partitioner may recompute {k.get('candidates', 0) - k.get('kept_saved', 0)} "
+                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {fmt_bytes(k.get('saved_bytes', 0))} saved)"),
+        ]
+    else:
+        rows += [
+            ("recompute overhead", f"{plan.predicted_recompute_s * 1e3:.1f} ms = {100 * plan.recompute_overhead:.1f} % of "
+                                   "the forward, eager (fused under compile)"),
+            ("recomputed regions", f"{len(plan.regions)} ({sum(1 for r in plan.regions if r.depth)} nested)"),
+        ]
+    return rows

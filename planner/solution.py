@@ -11,9 +11,9 @@ from typing import Any
 
 from . import solvers
 from .budget import inner_budget, smallest_budget
-from .capture import flatten_for_graph
-from .graph import CostGraph
+from .capture.capture import flatten_for_graph
 from .plan import Plan, Region, graph_fingerprint
+from .profile.graph import CostGraph
 from .solvers import Problem, Solution, simulate
 from .solvers.simulate import normalize_regions
 

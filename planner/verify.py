@@ -2,7 +2,7 @@
 
 Both steps start from the same state (buffers, no gradients, RNG), so
 outputs, every parameter gradient and every buffer can be compared exactly.
-Peak memory is read on two meters (planner/memory.py), both including the
+Peak memory is read on two meters (planner/profile/memory.py), both including the
 parameters, buffers and inputs the step starts with: the allocator's
 (`torch.cuda.max_memory_allocated` on CUDA, the profiler's allocator events
 on CPU: kernel workspaces included), which judges the budget, and the live
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import normalize_inputs
-from .loss import default_loss  # re-exported: callers import it from here
-from .memory import AllocatorMeter, LiveMemory
+from .capture.capture import normalize_inputs
 from .plan import Plan
+from .profile.loss import default_loss  # re-exported: callers import it from here
+from .profile.memory import AllocatorMeter, LiveMemory
 from .progress import logger, progress_enabled, stage
 from .state import ModelState
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from ckpt_planner.examples import MLPChain, ResidualCNN, TinyGPT
+from ckpt_planner.cli.examples import MLPChain, ResidualCNN, TinyGPT
 
 
 def mlp():

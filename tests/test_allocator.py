@@ -7,7 +7,7 @@ import torch
 from ckpt_planner import ProfileConfig
 from ckpt_planner.api import Planner
 from ckpt_planner.errors import InfeasibleBudgetError
-from ckpt_planner.memory import AllocatorMeter
+from ckpt_planner.profile.memory import AllocatorMeter
 from ckpt_planner.solvers import simulate
 from ckpt_planner.verify import verify
 
@@ -116,7 +116,7 @@ class Noisy(torch.nn.Module):
 
 
 def test_only_random_regions_save_the_rng_state():
-    from ckpt_planner.rng import rng_state_bytes
+    from ckpt_planner.capture.rng import rng_state_bytes
 
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(32, 64)
@@ -134,7 +134,7 @@ def test_only_random_regions_save_the_rng_state():
     fwd = [t for p, _, t in simulate(problem, regions, timeline=True).timeline if p == "forward"]
     fwd_blind = [t for p, _, t in simulate(blind, regions, timeline=True).timeline if p == "forward"]
     assert fwd[-1] - fwd_blind[-1] == state
-    from ckpt_planner.rewrite import CheckpointRegion, rewrite
+    from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite
 
     gm = rewrite(planner.capture.graph_module, regions, model=model)
     assert [r.random for r in gm.modules() if isinstance(r, CheckpointRegion)] == [True, False]
@@ -152,8 +152,8 @@ def test_only_random_regions_save_the_rng_state():
 def test_a_random_regions_recompute_holds_a_second_rng_state():
     """The recompute forks the generator (`torch.random.fork_rng`): while it runs, the allocator holds the
     state saved in the forward and the caller's, restored after it. The step peaks in that recompute."""
-    from ckpt_planner.rewrite import rewrite
-    from ckpt_planner.rng import rng_state_bytes
+    from ckpt_planner.capture.rng import rng_state_bytes
+    from ckpt_planner.lower.rewrite import rewrite
 
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(32, 64)

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 from ckpt_planner import InputError, Plan, PlanMismatchError, ProfileConfig, optimize
-from ckpt_planner.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
+from ckpt_planner.lower.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
 from ckpt_planner.plan import Region
 from ckpt_planner.solvers import simulate
 from ckpt_planner.verify import default_loss, measure_step

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_planner.cli import main
-from ckpt_planner.loading import load_applied, make_inputs, parse_input_spec
-from ckpt_planner.rewrite import CheckpointRegion
+from ckpt_planner.cli.cli import main
+from ckpt_planner.cli.loading import load_applied, make_inputs, parse_input_spec
+from ckpt_planner.lower.rewrite import CheckpointRegion
 
 REPO = Path(__file__).resolve().parent.parent
 
 FACTORY = '''
 import torch
-from ckpt_planner.examples import MLPChain
+from ckpt_planner.cli.examples import MLPChain
 
 
 def make():
@@ -138,7 +138,7 @@ def test_factory_plan_verify_apply_and_train(work, factory_plan, capsys):
     # Loads back and trains: same gradients as the original model, and an optimizer step changes the weights.
     applied = load_applied(out, trust_code=True)
     assert set(applied.module.state_dict()) == set(state)
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.cli.examples import MLPChain
 
     torch.manual_seed(0)
     reference = MLPChain(d=32, blocks=4)
@@ -154,7 +154,7 @@ def test_factory_plan_verify_apply_and_train(work, factory_plan, capsys):
 
 
 def test_pt2_plan_and_apply(work, capsys):
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.cli.examples import MLPChain
 
     torch.manual_seed(0)
     model, x = MLPChain(d=32, blocks=4), torch.randn(64, 32)
@@ -176,7 +176,7 @@ def test_pt2_plan_and_apply(work, capsys):
 
 
 def test_pickled_model_needs_trust(work, capsys):
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.cli.examples import MLPChain
 
     torch.manual_seed(0)
     torch.save(MLPChain(d=32, blocks=4), work / "mlp.pt")
@@ -298,8 +298,8 @@ def test_failed_verification_exits_1_and_writes_nothing(work, capsys, monkeypatc
 
 def test_profile_a_users_model(work, capsys):
     """`profile MODEL` takes the same MODEL and --input as `plan`: the table is that model's, with its input shape."""
-    from ckpt_planner.capture import capture
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.capture.capture import capture
+    from ckpt_planner.cli.examples import MLPChain
 
     code, out, err = run(["profile", f"{work}/factory.py:bare", "--input", "16,32", "--meta", "--json"], capsys)
     assert code == 0, err
@@ -321,10 +321,10 @@ def test_profile_counts_the_nodes_timed_by_their_flops(work, capsys, monkeypatch
     profile counts the nodes whose time is the FLOP/bytes estimate instead."""
     import importlib
 
-    from ckpt_planner.timing_store import STORE_ENV
+    from ckpt_planner.profile.timing_store import STORE_ENV
 
     monkeypatch.setenv(STORE_ENV, "off")  # a stored time would stand instead of the estimate
-    profile_mod = importlib.import_module("ckpt_planner.profile")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
     monkeypatch.setattr(
         profile_mod, "robust_times", lambda s: {k: min(v) * (8.0 if k.endswith("_2") else 1.0) for k, v in s.items()}
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_planner.cli import main
+from ckpt_planner.cli.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ import sys
 import time
 
 import torch
-from ckpt_planner.examples import MLPChain
+from ckpt_planner.cli.examples import MLPChain
 
 
 def make():
@@ -71,7 +71,7 @@ def slow():
 def work(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("cli_errors")
     (d / "factory.py").write_text(FACTORY)
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.cli.examples import MLPChain
 
     torch.manual_seed(0)
     torch.export.save(torch.export.export(MLPChain(d=32, blocks=4), (torch.randn(64, 32),)), d / "mlp.pt2")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from ckpt_planner import ProfileConfig, optimize
-from ckpt_planner.memory import storage_key
+from ckpt_planner.profile.memory import storage_key
 
 FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # inductor fuses and reorders float math

@@ -14,8 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, optimize
-from ckpt_planner import compiled as compiled_mod
-from ckpt_planner.compiled import CompiledBudgetError, CompiledPlanModule, CompiledPlanner, measure_compiled_step
+from ckpt_planner.compile import compiled as compiled_mod
+from ckpt_planner.compile.compiled import (
+    CompiledBudgetError,
+    CompiledPlanModule,
+    CompiledPlanner,
+    measure_compiled_step,
+)
 
 from tests.compiled_checks import assert_trains, step_grads
 
@@ -198,10 +203,10 @@ def test_compile_refuses_what_it_cannot_compile_whole_in_one_line(model, kwargs,
 
 
 def test_cli_compile_plans_and_records_the_measured_peak(tmp_path, scale, capsys):
-    from ckpt_planner.cli import main
+    from ckpt_planner.cli.cli import main
 
     (tmp_path / "f.py").write_text(
-        "import torch\nfrom ckpt_planner.examples import MLPChain\n\n\ndef make():\n"
+        "import torch\nfrom ckpt_planner.cli.examples import MLPChain\n\n\ndef make():\n"
         "    torch.manual_seed(0)\n    return MLPChain(d=32, blocks=4), (torch.randn(64, 32),)\n"
     )
     scale[0] = 1.1

@@ -90,7 +90,7 @@ def _worker(rank, port, jobs):
 
 
 def _train_case(rank, name, paths, plan_dict, case):
-    from ckpt_planner.apply import checkpoint_modules
+    from ckpt_planner.lower.apply import checkpoint_modules
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kind, static = case

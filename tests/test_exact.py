@@ -1,6 +1,6 @@
 """Exported transformers decoders (Qwen2, Llama: grouped-query attention) train bitwise like eager.
 
-The cause this guards (planner/export_exact.py): under torch.export transformers keeps the
+The cause this guards (planner/capture/export_exact.py): under torch.export transformers keeps the
 attention mask and repeats the key/value heads, where eager drops an unpadded mask and runs SDPA's
 own GQA kernel; the backward then sums key/value gradients in another order (~1e-8 apart). Each
 test runs one training step of the model and of the captured or planned module from the same state
@@ -16,14 +16,14 @@ import warnings
 import pytest
 import torch
 from ckpt_planner.api import Planner
-from ckpt_planner.capture import capture
+from ckpt_planner.capture.capture import capture
+from ckpt_planner.capture.export_exact import eager_attention_mask, eager_scaled_dot_product_attention
 from ckpt_planner.errors import InfeasibleBudgetError
-from ckpt_planner.export_exact import eager_attention_mask, eager_scaled_dot_product_attention
-from ckpt_planner.profile import ProfileConfig
+from ckpt_planner.profile.profile import ProfileConfig
 from ckpt_planner.verify import default_loss, verify
 
 transformers = pytest.importorskip("transformers")
-capture_mod = importlib.import_module("ckpt_planner.capture")  # the package re-exports a function of that name
+capture_mod = importlib.import_module("ckpt_planner.capture.capture")  # the package re-exports a function of that name
 
 SEQ = 64  # tokens; at 32 the two backward orders happen to round alike on CPU
 

@@ -1,6 +1,6 @@
 """The checkpointed module runs its aten calls bound to their operators, and torch.compile still traces it.
 
-`planner/fastcode.py` rewrites fx's `torch.ops.aten.x.default(...)` calls to the operator itself, so a
+`planner/lower/fastcode.py` rewrites fx's `torch.ops.aten.x.default(...)` calls to the operator itself, so a
 step pays no `OpOverload.__call__` frame per op. These tests count those frames in one training step
 of a planned, exported GPT (dropout on, so regions replay the generator), check outputs and every
 gradient bitwise against the model and against fx's own code, and compile the module with
@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
-from ckpt_planner.capture import capture
-from ckpt_planner.examples import TinyGPT
-from ckpt_planner.fastcode import bound_forward
-from ckpt_planner.rewrite import CheckpointRegion, rewrite
+from ckpt_planner.capture.capture import capture
+from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.lower.fastcode import bound_forward
+from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite
 
 LAYERS, SEQ, VOCAB = 2, 16, 64
 

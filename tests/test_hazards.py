@@ -18,16 +18,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from ckpt_planner.api import Planner
-from ckpt_planner.capture import capture
-from ckpt_planner.mutation import compute_nodes, mutated_inputs
-from ckpt_planner.profile import ProfileConfig
-from ckpt_planner.rewrite import rewrite, safe_regions
+from ckpt_planner.capture.capture import capture
+from ckpt_planner.capture.mutation import compute_nodes, mutated_inputs
+from ckpt_planner.lower.rewrite import rewrite, safe_regions
+from ckpt_planner.profile.profile import ProfileConfig
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.verify import default_loss
 from torch.utils import _pytree as pytree
 
-capture_mod = importlib.import_module("ckpt_planner.capture")  # the package re-exports a function of that name
-rewrite_mod = importlib.import_module("ckpt_planner.rewrite")
+capture_mod = importlib.import_module("ckpt_planner.capture.capture")  # the package re-exports a function of that name
+rewrite_mod = importlib.import_module("ckpt_planner.lower.rewrite")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 METHODS = ["symbolic_trace", "export"]

@@ -1,4 +1,4 @@
-"""The knapsack lowering of compiled plans (planner/knapsack.py): the exact knapsack against brute force,
+"""The knapsack lowering of compiled plans (planner/compile/knapsack.py): the exact knapsack against brute force,
 the cost of a joint-graph node, the cache key, the byte-target search on a stand-in compile, the choice
 between lowerings, and one real compile whose partitioner asks our solver.
 """
@@ -10,22 +10,22 @@ import pytest
 import torch
 import torch.nn as nn
 from ckpt_planner import InputError, Plan, Planner, ProfileConfig, optimize
-from ckpt_planner import compiled as compiled_mod
-from ckpt_planner.compiled import (
+from ckpt_planner.compile import compiled as compiled_mod
+from ckpt_planner.compile.compiled import (
     CompiledBudgetError,
     CompiledPlanModule,
     CompiledPlanner,
     compile_saved_plan,
     measure_compiled_step,
 )
-from ckpt_planner.knapsack import (
+from ckpt_planner.compile.knapsack import (
     KnapsackCall,
     KnapsackLowering,
     KnapsackSolver,
     estimate_candidate,
     solve_knapsack,
 )
-from ckpt_planner.profile import _roofline
+from ckpt_planner.profile.profile import _roofline
 
 from tests.compiled_checks import assert_trains, step_grads
 
@@ -99,7 +99,7 @@ def _stand_in(cands, fixed, extra):
 
 
 def _cands(seed, n=10):
-    from ckpt_planner.knapsack import Candidate
+    from ckpt_planner.compile.knapsack import Candidate
 
     rng = random.Random(seed)
     return tuple(Candidate(f"n{i}", "op", rng.choice((4096, 8192, 65536, rng.randint(1000, 90000))),
@@ -206,10 +206,10 @@ def test_bad_lowering_is_one_clear_line(call, stand_in_planner):
 
 
 def test_cli_lowering_without_compile_is_refused(tmp_path, capsys):
-    from ckpt_planner.cli import main
+    from ckpt_planner.cli.cli import main
 
     (tmp_path / "f.py").write_text(
-        "import torch\nfrom ckpt_planner.examples import MLPChain\n\n\ndef make():\n"
+        "import torch\nfrom ckpt_planner.cli.examples import MLPChain\n\n\ndef make():\n"
         "    return MLPChain(d=32, blocks=2), (torch.randn(8, 32),)\n"
     )
     code = main(["plan", f"{tmp_path}/f.py:make", "--lowering", "knapsack", "--activation-budget", "0.5"])

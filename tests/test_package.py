@@ -51,7 +51,7 @@ def test_top_level_import_is_torch_free_and_exports_functions(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
     code = (
         "import importlib, ckpt_planner\n"
-        "importlib.import_module('ckpt_planner.verify'); importlib.import_module('ckpt_planner.capture')\n"
+        "importlib.import_module('ckpt_planner.verify'); importlib.import_module('ckpt_planner.capture.capture')\n"
         "from ckpt_planner import capture, profile, verify\n"
         "assert callable(verify) and verify.__name__ == 'verify', verify\n"
         "assert capture.__name__ == 'capture' and profile.__name__ == 'profile'\n"

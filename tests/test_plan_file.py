@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from ckpt_planner import Plan, PlanFileError, PlanMismatchError, Planner, ProfileConfig
-from ckpt_planner.apply import checkpointed_modules
+from ckpt_planner.lower.apply import checkpointed_modules
 
 from tests.models import LOCAL
 

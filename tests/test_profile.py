@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 from ckpt_planner import CaptureError, ProfileConfig, capture, profile
-from ckpt_planner.memory import storage_key
+from ckpt_planner.profile.memory import storage_key
 from ckpt_planner.state import rng_preserved
 
 from tests.models import ALL, HF, LOCAL, DataDependent
@@ -218,8 +218,8 @@ def test_recompute_calibration_scales_every_node_time_by_one_grid_factor():
     import dataclasses
     import math
 
-    from ckpt_planner.examples import TinyGPT
-    from ckpt_planner.timing import quantize, with_step_times
+    from ckpt_planner.cli.examples import TinyGPT
+    from ckpt_planner.profile.timing import quantize, with_step_times
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, seq=16).train()

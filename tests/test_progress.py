@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ckpt_planner import optimize, verify
-from ckpt_planner.profile import ProfileConfig
+from ckpt_planner.profile.profile import ProfileConfig
 
 from .models import mlp
 

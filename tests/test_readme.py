@@ -117,7 +117,7 @@ def test_callbacks_blocks_planned_and_measured(session) -> None:
 
 
 def test_cli_examples_run(tmp_path, monkeypatch) -> None:
-    from ckpt_planner.cli import main
+    from ckpt_planner.cli.cli import main
 
     models = next(b for b in _blocks() if b.startswith("# models.py"))
     (tmp_path / "models.py").write_text(models)
@@ -132,7 +132,7 @@ def test_cli_examples_run(tmp_path, monkeypatch) -> None:
 
 def test_help_examples_are_the_readme_ones() -> None:
     """The --help epilogs' models.py examples are among the README's, which test_cli_examples_run runs."""
-    from ckpt_planner.cli_args import _EPILOGS
+    from ckpt_planner.cli.cli_args import _EPILOGS
 
     readme = " ".join(" ".join(_cli_lines()).split())
     for text in _EPILOGS.values():

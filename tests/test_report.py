@@ -12,12 +12,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from ckpt_planner.cli import main
+from ckpt_planner.cli.cli import main
 from ckpt_planner.plan import _fmt_bytes
 
 FACTORY = '''
 import torch
-from ckpt_planner.examples import MLPChain
+from ckpt_planner.cli.examples import MLPChain
 
 
 def make():
@@ -141,7 +141,7 @@ def test_markdown_report(made, capsys):
 def test_report_of_a_plan_without_report_data(tmp_path):
     """A plan saved from the Python API has no timeline or curves: the page still renders, without plots."""
     from ckpt_planner import optimize
-    from ckpt_planner.examples import MLPChain
+    from ckpt_planner.cli.examples import MLPChain
 
     model = MLPChain(d=16, blocks=2)
     import torch
@@ -215,7 +215,7 @@ def test_report_renders_in_headless_chromium(made, tmp_path):
 
 def test_legends_sit_beside_the_curves(made, monkeypatch):
     """Every legend is outside its axes, so no curve is hidden under it."""
-    from ckpt_planner import report as rep
+    from ckpt_planner.cli import report as rep
 
     boxes = []
     real = rep._png
@@ -240,9 +240,9 @@ def test_measured_timeline_keeps_the_true_peak():
     """The measured series reaches the step's peak as verify measures it, even after downsampling."""
     import torch
     from ckpt_planner import optimize
-    from ckpt_planner.bench import measure_timeline
-    from ckpt_planner.examples import MLPChain
-    from ckpt_planner.report import _downsample
+    from ckpt_planner.cli.bench import measure_timeline
+    from ckpt_planner.cli.examples import MLPChain
+    from ckpt_planner.cli.report import _downsample
     from ckpt_planner.verify import default_loss, measure_step
 
     torch.manual_seed(0)
@@ -270,7 +270,7 @@ def test_bench_of_another_model_is_refused(made, tmp_path, capsys):
 
 
 def test_baseline_row_is_not_said_to_fit(made):
-    from ckpt_planner.bench import bench_table
+    from ckpt_planner.cli.bench import bench_table
 
     bench = json.loads((made / "bench.json").read_text())
     none = next(r for r in bench["rows"] if r["solver"] == "none")
@@ -278,7 +278,7 @@ def test_baseline_row_is_not_said_to_fit(made):
     assert none["within_budget"] is False
     line = next(ln for ln in bench_table(bench).splitlines() if ln.startswith("none "))
     assert line.endswith("no (baseline, not held to it)")
-    from ckpt_planner.report import render
+    from ckpt_planner.cli.report import render
 
     page = Page()
     page.feed(render(json.loads((made / "plan.json").read_text()), bench))

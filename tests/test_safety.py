@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, UnplannableError, optimize, verify
 from ckpt_planner import api as api_module
-from ckpt_planner.apply import checkpointed_modules
+from ckpt_planner.lower.apply import checkpointed_modules
 from ckpt_planner.solvers import simulate
 from ckpt_planner.verify import default_loss, measure_step
 from torch.utils.checkpoint import checkpoint
@@ -66,7 +66,7 @@ def test_train_mode_export_is_planned(tmp_path):
 
 
 def test_training_export_with_a_frozen_batchnorm_is_not_refused():
-    from ckpt_planner.own_checkpoint import check_training_graph
+    from ckpt_planner.capture.own_checkpoint import check_training_graph
 
     model = _bn_dropout_net().train()
     model[1].eval()  # BatchNorm frozen on purpose; dropout still trains

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_planner.cli import main
+from ckpt_planner.cli.cli import main
+from ckpt_planner.cli.examples import MLPChain
+from ckpt_planner.cli.loading import load_applied, load_model, model_kind
 from ckpt_planner.errors import InputError
-from ckpt_planner.examples import MLPChain
-from ckpt_planner.loading import load_applied, load_model, model_kind
 
 FACTORY = '''
 import torch
-from ckpt_planner.examples import MLPChain
+from ckpt_planner.cli.examples import MLPChain
 
 
 def make():
@@ -127,7 +127,7 @@ def test_pt2_with_pickled_member_is_refused_and_runs_nothing(clean_pt2, tmp_path
 
 
 def test_pt2_pickled_constant_and_older_layout_are_listed(clean_pt2, tmp_path):
-    from ckpt_planner.archive import unsafe_members
+    from ckpt_planner.capture.archive import unsafe_members
 
     assert unsafe_members(clean_pt2.read_bytes()) == []
     evil = tmp_path / "const.pt2"
@@ -226,10 +226,10 @@ def test_manifest_paths_outside_the_folder_are_refused(applied_pt2, clean_pt2, t
     outside = tmp_path / "x.pt2"
     outside.write_bytes(clean_pt2.read_bytes())  # loadable: only the path makes it wrong
     reads: list[str] = []
-    import ckpt_planner.loading as loading
+    import ckpt_planner.cli.models as models  # what an apply folder's model is loaded with
 
-    real = loading.load_model
-    monkeypatch.setattr(loading, "load_model", lambda spec, **kw: reads.append(spec) or real(spec, **kw))
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda spec, **kw: reads.append(spec) or real(spec, **kw))
     edit_manifest(folder, model="../../x.pt2", model_kind="pt2")
     with pytest.raises(InputError, match="inside the folder"):
         load_applied(folder)
@@ -286,7 +286,7 @@ def test_plan_naming_an_inputs_file_is_not_read(tmp_path, capsys, monkeypatch):
     data = json.loads(plan_path.read_text())
     data["stats"]["cli"] = {"model": fac, "model_kind": "factory", "inputs_file": str(secret)}
     plan_path.write_text(json.dumps(data))
-    import ckpt_planner.loading as loading
+    import ckpt_planner.cli.loading as loading
 
     opened: list[str] = []
     real = loading.load_inputs_file

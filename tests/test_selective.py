@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 from ckpt_planner import Plan, optimize
 from ckpt_planner.api import Planner
-from ckpt_planner.examples import TinyGPT
-from ckpt_planner.profile import ProfileConfig
-from ckpt_planner.rewrite import CheckpointRegion, rewrite
-from ckpt_planner.selective import saveable_flags
+from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite
+from ckpt_planner.lower.selective import saveable_flags
+from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.timing import anchor_times
 from ckpt_planner.solvers import simulate, solve
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.solvers.selective import is_heavy
-from ckpt_planner.timing import anchor_times
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .test_hazards import METHODS, ConvBN, Noisy, compare, step
@@ -166,7 +166,7 @@ class Composite(nn.Module):
 
 
 def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
-    from ckpt_planner.selective import policy_costs
+    from ckpt_planner.lower.selective import policy_costs
     from ckpt_planner.verify import measure_step_peaks
 
     torch.manual_seed(0)
@@ -195,7 +195,7 @@ def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
 def test_only_kept_nodes_run_under_the_policy(monkeypatch):
     """The kept-node mode is entered around each kept node alone: the region's other ops pay no Python
     dispatch, and the recompute's early stop inside a kept node leaves no mode behind."""
-    from ckpt_planner import selective
+    from ckpt_planner.lower import selective
 
     seen = {False: 0, True: 0}  # ops the mode saw in the forward / the recompute
     real = selective._KeepMode.__torch_dispatch__

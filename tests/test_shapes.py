@@ -4,8 +4,8 @@ larger ones raise ShapeError or are re-planned per shape; ExportedPrograms are a
 import pytest
 import torch
 from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, ShapeError, optimize, verify
-from ckpt_planner.examples import ResidualCNN
-from ckpt_planner.shapes import ShapeGuard, input_shapes
+from ckpt_planner.capture.shapes import ShapeGuard, input_shapes
+from ckpt_planner.cli.examples import ResidualCNN
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 

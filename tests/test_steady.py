@@ -7,11 +7,11 @@ import json
 import pytest
 from ckpt_planner import steady as steady_mod
 from ckpt_planner.api import Planner
-from ckpt_planner.examples import TinyGPT
-from ckpt_planner.profile import ProfileConfig
+from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.timing_store import STORE_ENV, TimingStore
 from ckpt_planner.solvers import Node, Problem, Solution, Storage, simulate
 from ckpt_planner.steady import KEEP_WITHIN, plan_key, steady
-from ckpt_planner.timing_store import STORE_ENV, TimingStore
 
 
 def chain(n: int = 8, step: float = 100.0) -> Problem:

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 from ckpt_planner import ProfileConfig, capture, profile
-from ckpt_planner.examples import TinyGPT
-from ckpt_planner.timing import DISAGREE, anchor_times, op_key, quantize
-from ckpt_planner.timing_store import TimingStore
+from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.profile.timing import DISAGREE, anchor_times, op_key, quantize
+from ckpt_planner.profile.timing_store import TimingStore
 
 PER_FLOP = 1e-12  # seconds: the machine these hand-set times describe
 PER_BYTE = 1e-10

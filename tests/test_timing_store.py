@@ -6,10 +6,10 @@ import json
 
 import torch
 from ckpt_planner import ProfileConfig, capture, profile, solvers
-from ckpt_planner import timing as timing_mod
-from ckpt_planner.examples import TinyGPT
-from ckpt_planner.timing import with_step_times
-from ckpt_planner.timing_store import STORE_ENV, TimingStore, open_store
+from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.profile import timing as timing_mod
+from ckpt_planner.profile.timing import with_step_times
+from ckpt_planner.profile.timing_store import STORE_ENV, TimingStore, open_store
 
 
 def _tiny():
@@ -42,7 +42,7 @@ LOAD = 1000.0
 def _loaded(monkeypatch, factor):
     """Every timed run reads `factor` times slower, as on a machine another job is loading."""
     real = timing_mod.robust_times
-    profile_mod = importlib.import_module("ckpt_planner.profile")  # the package's `profile` is the function
+    profile_mod = importlib.import_module("ckpt_planner.profile.profile")  # the package's `profile` is the function
     monkeypatch.setattr(profile_mod, "robust_times", lambda s: {k: v * factor for k, v in real(s).items()})
     fastest = timing_mod.with_fastest
     monkeypatch.setattr(profile_mod, "with_fastest", lambda c, s: fastest(c, {k: [v * factor for v in ts] for k, ts in s.items()}))
@@ -214,7 +214,7 @@ def test_the_selective_dispatch_cost_is_calibrated_on_the_model_itself(monkeypat
     extra seconds over the plain per-block step, per op dispatched in the forward and the recompute, is
     the policy's cost per op on this model's own ops (a tiny-op microbenchmark read 2-9 us where GPT-2's
     ops cost 16 us)."""
-    from ckpt_planner import selective
+    from ckpt_planner.lower import selective
 
     model, cap = _tiny()
     cost = profile(cap, ProfileConfig(warmup=0, repeats=1, timing_store=False))

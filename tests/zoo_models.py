@@ -272,7 +272,7 @@ def run_case(
 
 def _same_step(model: nn.Module, a: nn.Module, b: nn.Module, inputs: object) -> bool:
     """One training step of `a` and of `b` (both running `model`'s state) bitwise equal: outputs, grads, buffers."""
-    from ckpt_planner.capture import normalize_inputs
+    from ckpt_planner.capture.capture import normalize_inputs
     from ckpt_planner.state import ModelState
     from ckpt_planner.verify import default_loss
     from torch.utils import _pytree as pytree

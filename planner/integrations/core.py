@@ -10,7 +10,7 @@ not the one measured) and logs the predicted and the measured peak to the
 "ckpt_planner" logger.
 
 Measuring: on CUDA `torch.cuda.max_memory_allocated` from the step's start; on CPU
-the live tensor storages (planner/memory.py), with the parameters, gradients,
+the live tensor storages (planner/profile/memory.py), with the parameters, gradients,
 buffers and optimizer state that exist at the step's start counted in. The
 prediction is the simulated peak of the module-level plan that was applied
 (`Application.predicted_peak_bytes`), parameters, gradients and optimizer state included.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..memory import LiveMemory
+from ..profile.memory import LiveMemory
 from ..progress import logger
 
 __all__ = ["FirstBatchPlanner"]

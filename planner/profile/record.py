@@ -23,9 +23,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import ProfileError
+from ..capture.rng import SeededOps, generator_states, mark_random, moved
+from ..errors import ProfileError
 from .memory import AllocatorMeter, LiveMemory
-from .rng import SeededOps, generator_states, mark_random, moved
 
 __all__ = ["CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
 

@@ -218,7 +218,7 @@ def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
     def one(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(chain, t, use_reentrant=False)
 
-    from .selective import dispatch_probe_contexts
+    from ..lower.selective import dispatch_probe_contexts
 
     def one_selective(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(chain, t, use_reentrant=False, context_fn=dispatch_probe_contexts)
@@ -296,9 +296,9 @@ def step_times(
 
 def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
     """Regions to time a real recompute with: one per repeated block, else about sqrt(n) even runs."""
-    from .solvers.basic import uniform
-    from .solvers.costs import trim_flat_regions
-    from .solvers.selective import block_regions
+    from ..solvers.basic import uniform
+    from ..solvers.costs import trim_flat_regions
+    from ..solvers.selective import block_regions
 
     try:
         problem = cost.to_problem()
@@ -369,7 +369,7 @@ figures come from the snapshot alone, so a node time or call cost that heals lat
 
 def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[str, float]:
     """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
-    from .solvers import simulate
+    from ..solvers import simulate
 
     sim = simulate(cost.to_problem(), regions)
     calls = sim.call_time + sim.hook_time
@@ -398,7 +398,7 @@ def _measured_step(
 ) -> dict[str, float]:
     """with_step_times' step timings, measured this run: the eager and graph steps and, with `regions`, the
     calibration's three steps (CALIBRATION_STEPS)."""
-    from .rewrite import rewrite
+    from ..lower.rewrite import rewrite
 
     checked: tuple[torch.nn.Module, ...] = ()
     plain = graph
@@ -424,7 +424,7 @@ def _measured_step(
 def _caching_nothing(checkpointed: torch.nn.Module) -> torch.nn.Module:
     """`checkpointed` with every region run under the kept-node mode keeping nothing: what that mode's
     dispatch alone costs per op on this graph's own ops (a kept node's ops pay it)."""
-    from .rewrite import CheckpointRegion
+    from ..lower.rewrite import CheckpointRegion
 
     for module in checkpointed.modules():
         if isinstance(module, CheckpointRegion):
@@ -457,8 +457,8 @@ def finish_profile(
     node whose policy would also cache intermediates that eager frees at once is recomputed instead,
     so the simulator's figure for a kept node is the allocator's.
     """
-    from .mutation import compute_nodes
-    from .selective import saveable_flags
+    from ..capture.mutation import compute_nodes
+    from ..lower.selective import saveable_flags
 
     compute = compute_nodes(gm.graph)
     flags = saveable_flags(gm)

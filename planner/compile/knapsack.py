@@ -30,9 +30,9 @@ import torch
 from torch._inductor.custom_graph_pass import CustomKnapsackSolver, get_hash_for_files
 from torch.utils import _pytree as pytree
 
-from .errors import InputError
-from .profile import ProfileConfig, _roofline
-from .record import flop_formulas
+from ..errors import InputError
+from ..profile.profile import ProfileConfig, _roofline
+from ..profile.record import flop_formulas
 
 __all__ = ["Candidate", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "inductor_backend", "solve_knapsack"]
 
@@ -83,7 +83,7 @@ def solve_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
     Sizes are bytes (integers), values seconds. Solved as a MILP (HiGHS in-process when installed, else
     pulp's CBC, the other one if the first fails); the result is checked in integers.
     """
-    from .solvers.milp_backend import ILPSolveError, _backend, _backends, stdout_to_stderr
+    from ..solvers.milp_backend import ILPSolveError, _backend, _backends, stdout_to_stderr
 
     if len(sizes) != len(values):
         raise InputError(f"knapsack: {len(sizes)} sizes but {len(values)} values; give one of each per item")

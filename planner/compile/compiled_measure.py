@@ -10,15 +10,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import InputError
-from .memory import AllocatorMeter
-from .state import ModelState
+from ..errors import InputError
+from ..profile.memory import AllocatorMeter
+from ..state import ModelState
 
-__all__ = ["interleaved_step_times", "measure_compiled_step", "summary_rows"]
+__all__ = ["interleaved_step_times", "measure_compiled_step"]
 
 
 def _loss(output: Any) -> torch.Tensor:
-    from .loss import default_loss
+    from ..profile.loss import default_loss
 
     return default_loss(output)
 
@@ -98,34 +98,3 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def summary_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]:
-    """The summary's rows from 'peak memory, this plan' on, for a plan measured compiled: the measured
-    peak leads; a knapsack plan has no regions and no eager prediction of its own."""
-    from .plan import _fmt_bytes as fmt_bytes
-
-    lowering = compiled.get("lowering", "regions")
-    measured = plan.measured_peak_bytes or 0
-    saved = plan.baseline_peak_bytes - measured
-    rows = [
-        ("peak memory, this plan", f"{fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
-         + ("" if lowering == "knapsack" else f"; {fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
-        ("memory saved", f"{fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
-                         "step without checkpointing (the compiled step without a plan is not measured)"),
-    ]
-    k = compiled.get("knapsack")
-    if lowering == "knapsack" and isinstance(k, dict):
-        rows += [
-            ("recompute overhead", f"{k.get('estimated_recompute_s', 0) * 1e3:.1f} ms estimated (FLOP/bytes roofline "
-                                   "of the ops the partitioner may recompute)"),
-            ("recomputed ops", f"no regions: the partitioner may recompute {k.get('candidates', 0) - k.get('kept_saved', 0)} "
-                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {fmt_bytes(k.get('saved_bytes', 0))} saved)"),
-        ]
-    else:
-        rows += [
-            ("recompute overhead", f"{plan.predicted_recompute_s * 1e3:.1f} ms = {100 * plan.recompute_overhead:.1f} % of "
-                                   "the forward, eager (fused under compile)"),
-            ("recomputed regions", f"{len(plan.regions)} ({sum(1 for r in plan.regions if r.depth)} nested)"),
-        ]
-    return rows

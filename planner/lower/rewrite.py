@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from ..capture.mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
+from ..capture.rng import uses_rng
 from .fastcode import bound_forward, switched_forward
-from .mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
-from .rng import uses_rng
 
 __all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "safe_regions"]
 

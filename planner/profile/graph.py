@@ -7,7 +7,7 @@ from typing import Any
 
 import networkx as nx
 
-from .solvers.problem import Node, Problem, Storage
+from ..solvers.problem import Node, Problem, Storage
 
 __all__ = ["NodeCost", "StorageCost", "CostGraph"]
 

@@ -29,7 +29,7 @@ def measure_timeline(
     """Measured live bytes after every op of one forward + backward (CPU: live storages; CUDA: allocated)."""
     from torch.utils import _pytree as pytree
 
-    from .memory import LiveMemory
+    from ..profile.memory import LiveMemory
 
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     cuda = any(t.device.type == "cuda" for t in state + inputs)
@@ -86,7 +86,7 @@ def step_times(
     model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, repeats: int = 3
 ) -> tuple[float, float]:
     """Median seconds of one forward + backward of `model` and of `module`, interleaved (after one warm-up each)."""
-    from .state import ModelState
+    from ..state import ModelState
 
     params = list(model.parameters())
     cuda = any(p.is_cuda for p in params)
@@ -128,11 +128,11 @@ def bench(
     exactness and the measured memory timeline; a solver that cannot meet the
     budget gets an 'infeasible' row.
     """
-    from . import solvers
-    from .capture import flatten_for_graph, normalize_inputs
-    from .plan import graph_fingerprint
-    from .state import ModelState
-    from .verify import default_loss, verify
+    from .. import solvers
+    from ..capture.capture import flatten_for_graph, normalize_inputs
+    from ..plan import graph_fingerprint
+    from ..state import ModelState
+    from ..verify import default_loss, verify
 
     model, cap = planner.model, planner.capture
     args, kwargs = normalize_inputs(example_inputs, model)

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import InfeasibleBudgetError, InputError, PlanMismatchError
+from ..errors import InfeasibleBudgetError, InputError, PlanMismatchError
+from ..solvers import Problem, simulate
 from .rewrite import _restore_buffers
-from .solvers import Problem, simulate
 
 __all__ = ["Application", "apply_plan", "checkpoint_modules", "remove_checkpointing", "module_aligned", "module_spans"]
 

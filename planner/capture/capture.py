@@ -24,11 +24,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError, InputError
+from ..errors import CaptureError, InputError
+from ..state import ModelState
 from .export_exact import match_eager_attention, recording_mask_skips
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
 from .shapes import export_dynamic
-from .state import ModelState
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
 

@@ -29,7 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from .errors import InputError, ShapeError
+from ..errors import InputError, ShapeError
 
 __all__ = ["ShapeError", "ShapeGuard", "InputShapes", "input_shapes", "dynamic_shapes_for", "export_dynamic", "ON_LARGER_SHAPE"]
 

@@ -2,7 +2,7 @@
 
 Two lowerings (`lowering=`): "regions", below; "knapsack", the model compiled without regions with our
 knapsack choosing which single ops compile's partitioner may recompute, under a byte target searched
-against the measured peak (planner/knapsack.py); "best" (default) makes both for the budget and keeps the
+against the measured peak (planner/compile/knapsack.py); "best" (default) makes both for the budget and keeps the
 one that fits with the faster compiled step: the median, over `timing_repeats` interleaved rounds, of the
 ratio of their step times; both figures in `plan.stats["compiled"]["lowerings"]` and the notes. Time is measured, not estimated, because the two
 lowerings' own estimates (eager node times summed over whole regions; a FLOP/bytes roofline per op) are
@@ -39,18 +39,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import InputError
+from ..plan import Plan
+from ..solvers import InfeasibleBudgetError
 from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
-from .errors import InputError
 from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend
-from .plan import Plan
-from .solvers import InfeasibleBudgetError
 
 __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "compile_saved_plan",
            "interleaved_step_times", "measure_compiled_step"]
 
 LOWERINGS = ("best", "regions", "knapsack")
 """How a plan becomes a compiled step: whole checkpoint regions, our knapsack inside the partitioner
-(planner/knapsack.py), or both tried and the faster one that fits kept."""
+(planner/compile/knapsack.py), or both tried and the faster one that fits kept."""
 
 
 class CompiledBudgetError(InfeasibleBudgetError):
@@ -203,7 +203,7 @@ class CompiledPlanner:
         return self._choose(got, errors)
 
     def _budget_bytes(self, *, budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
-        from .api import _check_budget_args
+        from ..budget import check_budget_args as _check_budget_args
 
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
         if activation_budget is not None:
@@ -441,7 +441,7 @@ def compile_saved_plan(model: torch.nn.Module, plan: Plan, example_inputs: Any =
     if "target_bytes" not in info:
         raise InputError("compile_saved_plan: the plan's stats.compiled.knapsack has no target_bytes; re-plan "
                          "with optimize(..., compile=True)")
-    from .profile import ProfileConfig
+    from ..profile.profile import ProfileConfig
 
     config = ProfileConfig(peak_flops=info.get("peak_flops"), bandwidth=info.get("bandwidth"))
     solver = KnapsackSolver(int(info["target_bytes"]), config=config)
@@ -455,26 +455,3 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
         return xs[0], xs[0], xs[0]
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[0], statistics.median(xs), q[2]
-
-
-def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],
-                      lowering: str = "best") -> Plan:
-    """optimize(..., compile=True): one whole graph planned, compiled, measured and re-planned to fit."""
-    from .api import Planner
-    from .errors import CaptureError
-
-    if planner_args.get("world_size", 1) != 1:
-        raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
-                         "drop compile=True or plan one rank with world_size=1")
-    if lowering not in LOWERINGS:
-        raise InputError(f"lowering: {lowering!r} is not one of {', '.join(LOWERINGS)}")
-    device = planner_args.get("device")
-    if device is not None and torch.device(device).type == "meta":
-        raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
-                         "plan on cpu/cuda or drop compile=True")
-    try:
-        planner = Planner(model, example_inputs, **planner_args)
-    except CaptureError as e:
-        raise InputError(f"compile: torch.compile(fullgraph=True) needs the whole model as one graph, and it "
-                         f"could not be captured ({str(e).splitlines()[0]}); drop compile=True to plan it in parts") from e
-    return CompiledPlanner(planner, lowering=lowering).plan(**plan_args)

@@ -1,6 +1,6 @@
 """Per-node costs of a captured graph: bytes saved for backward, output bytes, time, FLOPs.
 
-`CostProfiler` (planner/record.py) runs the graph several times for timing,
+`CostProfiler` (planner/profile/record.py) runs the graph several times for timing,
 then once more with a `saved_tensors_hooks` pack hook around each node and a
 live-storage counter; this module builds the CostGraph from that record. Storages are identified by their
 StorageImpl, so a saved tensor is attributed to the node that allocated its
@@ -16,7 +16,7 @@ inputs, which makes the base's gradient live from the first of those
 backward steps (attention's backward making the head views' gradients).
 
 What the model of gradients cannot see (the backward's own temporaries) is
-measured by one backward after the recording run: see planner/backward.py.
+measured by one backward after the recording run: see planner/profile/backward.py.
 
 In meta mode the same interpreter runs on fake tensors: byte figures are
 exact, time comes from FLOPs and bytes moved (a roofline), nothing is run.
@@ -34,16 +34,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..capture.capture import Capture, flatten_for_graph
+from ..capture.mutation import mutated_inputs, writes_by_schema, written_roots
+from ..capture.rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
+from ..errors import InputError
+from ..lower.selective import try_policy_costs
+from ..state import rng_preserved
 from .backward import measure_backward, with_backward_temps
-from .capture import Capture, flatten_for_graph
-from .errors import InputError
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, storage_key
-from .mutation import mutated_inputs, writes_by_schema, written_roots
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
-from .rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
-from .selective import try_policy_costs
-from .state import rng_preserved
 from .timing import finish_profile, robust_times, with_fastest
 
 __all__ = ["ProfileConfig", "CostProfiler", "profile"]

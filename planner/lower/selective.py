@@ -39,9 +39,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .errors import SelectiveReplayError
-from .mutation import compute_nodes, mutated_inputs, written_roots
-from .rng import RANDOM_META, uses_rng
+from ..capture.mutation import compute_nodes, mutated_inputs, written_roots
+from ..capture.rng import RANDOM_META, uses_rng
+from ..errors import SelectiveReplayError
 
 __all__ = [
     "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",

@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _pytree as pytree
 
-from .errors import UnplannableError
+from ..errors import UnplannableError
 
 __all__ = ["OwnCheckpoint", "recording_checkpoints", "check_training_graph", "own_spans"]
 

@@ -29,14 +29,14 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _fmt(n: float) -> str:
-    from .plan import _fmt_bytes
+    from ..plan import _fmt_bytes
 
     return _fmt_bytes(n)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Plan the built-in GPT-style model at half its activation memory, verify, print the summary."""
-    from . import optimize, verify
+    from .. import optimize, verify
     from .examples import gpt_example
 
     model, inputs = gpt_example(batch=args.batch, seq=args.seq, layers=args.layers)
@@ -73,11 +73,11 @@ def _report_dict(report) -> dict:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Print the per-node cost table and totals of a model (MODEL as for `plan`) or a built-in example."""
-    from .capture import capture
-    from .errors import InputError
+    from ..capture.capture import capture
+    from ..errors import InputError
+    from ..profile.profile import ProfileConfig, profile
+    from ..state import ModelState
     from .examples import EXAMPLES
-    from .profile import ProfileConfig, profile
-    from .state import ModelState
 
     if args.model is not None and args.example is not None:
         raise InputError("example: give MODEL or --example, not both")
@@ -162,7 +162,7 @@ def _stage(bar, desc: str) -> Iterator[None]:
 
 def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
     """Fail before any work when `path` cannot be written (InputError, exit 2)."""
-    from .errors import InputError
+    from ..errors import InputError
 
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
@@ -198,8 +198,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
     """(loaded model, inputs, record); a .pt2 model's inputs are checked against its exported shapes."""
+    from ..capture.preflight import check_exported_inputs
     from .loading import load_model_and_inputs
-    from .preflight import check_exported_inputs
 
     loaded, inputs, record = load_model_and_inputs(
         args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
@@ -213,8 +213,8 @@ def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None 
 @contextlib.contextmanager
 def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
     """A capture or profile failure that the inputs caused becomes an InputError naming them."""
-    from .errors import CaptureError, ProfileError
-    from .preflight import explain_failure
+    from ..capture.preflight import explain_failure
+    from ..errors import CaptureError, ProfileError
 
     try:
         yield
@@ -230,8 +230,8 @@ def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
 
 def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
     """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
-    from .api import Planner
-    from .preflight import nothing_to_plan
+    from ..api import Planner
+    from ..capture.preflight import nothing_to_plan
 
     with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
         planner = Planner(
@@ -252,9 +252,9 @@ def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan checkpointing for a saved model; write the plan file (with the report's data)."""
-    from . import report as rep
-    from . import solvers
-    from .errors import InputError
+    from .. import report as rep
+    from .. import solvers
+    from ..errors import InputError
 
     solvers.get_solver(args.solver)
     if args.verify and args.device == "meta":
@@ -272,7 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         planner = _planner(args, loaded, inputs, record, bar)
         with _stage(bar, f"solving ({args.solver})"):
             if args.compile:
-                from .compiled import CompiledPlanner
+                from ..compile.compiled import CompiledPlanner
 
                 plan = CompiledPlanner(planner, lowering=args.lowering).plan(solver=args.solver, **_budget_kwargs(args))
             else:
@@ -300,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _curve_solvers(args: argparse.Namespace) -> list[str]:
     """Solvers for the report's curve: --curve-solvers, else every registered one but the trivial and exhaustive."""
-    from . import solvers
+    from .. import solvers
 
     if not args.curve_points:
         return []
@@ -313,7 +313,7 @@ def _curve_solvers(args: argparse.Namespace) -> list[str]:
 
 
 def _verify_into(plan, model, inputs) -> tuple[bool, str]:
-    from .verify import verify
+    from ..verify import verify
 
     report = verify(model, plan, inputs)
     plan.measured_peak_bytes = report.measured_peak_bytes
@@ -329,8 +329,8 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str]:
 
 def _load_plan(path: str):
     """Plan.load, with a file nested too deeply for the JSON reader named as a bad plan file."""
-    from .errors import PlanFileError
-    from .plan import Plan
+    from ..errors import PlanFileError
+    from ..plan import Plan
 
     try:
         return Plan.load(path)
@@ -361,7 +361,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     _say(
         args,
         f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
-        f"load it:   from ckpt_planner.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
+        f"load it:   from ckpt_planner.cli.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
         f"or check:  python {out}/load.py{cli_flag}   (one training step)",
     )
     return EXIT_OK
@@ -372,9 +372,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Optimize + verify with each solver side by side; table or JSON."""
-    from . import bench as rep
-    from . import solvers
-    from .errors import InputError
+    from .. import bench as rep
+    from .. import solvers
+    from ..errors import InputError
 
     if args.device == "meta":
         raise InputError("device: bench runs the model; use --device cpu or cuda")
@@ -423,8 +423,8 @@ def _tick(bar, name: str) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
-    from . import report as rep
-    from .errors import InputError, PlanFileError
+    from .. import report as rep
+    from ..errors import InputError, PlanFileError
 
     out = _check_output(args.output, "output")
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
@@ -478,9 +478,9 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failed, 2 bad usage or input, 130 interrupted)."""
-    from .errors import InputError, PlanFileError, PlanMismatchError, PlannerError
-    from .solvers import InfeasibleBudgetError, UnknownSolverError
-    from .solvers.bruteforce import PlanSpaceTooLargeError
+    from ..errors import InputError, PlanFileError, PlanMismatchError, PlannerError
+    from ..solvers import InfeasibleBudgetError, UnknownSolverError
+    from ..solvers.bruteforce import PlanSpaceTooLargeError
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep errors to one line when a factory builds an HF model
     parser = build_parser()

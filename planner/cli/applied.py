@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["APPLIED_FORMAT", "Applied", "is_applied_folder", "write_applied", "load_applied"]
 
@@ -189,7 +189,7 @@ def _at_end_of_path(directory: str | None) -> Iterator[None]:
 
 
 def _load_model(folder: Path, manifest: dict[str, Any], *, trust_pickle: bool, trust_code: bool) -> Any:
-    from .loading import load_model
+    from .models import load_model
 
     kind, spec = manifest.get("model_kind"), manifest.get("model")
     if not isinstance(spec, str):
@@ -227,7 +227,7 @@ def load_applied(path: str | os.PathLike, *, trust_pickle: bool = False, trust_c
     the graph's fingerprint). Every file is read from a fixed name inside the
     folder. Errors are InputError naming the folder and the file.
     """
-    from .plan import Plan
+    from ..plan import Plan
 
     folder = Path(path)
     if not (folder / "manifest.json").is_file():
@@ -263,7 +263,7 @@ to run it; a pickled model needs --trust-pickle (trust_pickle=True).
 
 from pathlib import Path
 
-from ckpt_planner.loading import load_applied
+from ckpt_planner.cli.loading import load_applied
 
 HERE = Path(__file__).resolve().parent
 
@@ -276,7 +276,7 @@ def load(trust_pickle: bool = False, trust_code: bool = False):
 if __name__ == "__main__":
     import sys
 
-    from ckpt_planner.capture import normalize_inputs
+    from ckpt_planner.capture.capture import normalize_inputs
     from ckpt_planner.verify import default_loss
 
     try:

@@ -1,6 +1,6 @@
 """The backward's temporaries: what a node's backward step holds beyond the gradients the simulator counts.
 
-After the profiler's recording run (planner/record.py), one backward runs with a
+After the profiler's recording run (planner/profile/record.py), one backward runs with a
 live-storage counter (`LiveMemory`) and a pre-hook on every autograd node, each
 attributed to the fx node whose forward made it. A node's `backward_temp_bytes`
 is the peak its backward step reached over the simulator's figure for that step
@@ -22,11 +22,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import _key_line
+from ..capture.capture import _key_line
+from ..solvers.simulate import simulate
 from .graph import CostGraph
 from .loss import default_loss
 from .memory import AllocatorMeter, LiveMemory, alive
-from .solvers.simulate import simulate
 
 if TYPE_CHECKING:
     from .record import CostProfiler

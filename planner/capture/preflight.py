@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import InputError, NothingToPlanError
+from ..errors import InputError, NothingToPlanError
 
 __all__ = ["describe", "check_exported_inputs", "explain_failure", "nothing_to_plan"]
 
@@ -74,9 +74,9 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
     """The error a forward on fake copies of the inputs raises, or None (nothing is computed)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+    from ..state import ModelState
     from .archive import quiet_torch_export
     from .capture import normalize_inputs
-    from .state import ModelState
 
     args, kwargs = normalize_inputs(inputs)
     try:
@@ -98,8 +98,8 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
 
 
 def _real_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
+    from ..state import ModelState
     from .capture import normalize_inputs
-    from .state import ModelState
 
     args, kwargs = normalize_inputs(inputs)
     try:

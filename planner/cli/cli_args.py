@@ -68,7 +68,7 @@ _seed = _count(0, 2**64 - 1)
 
 
 def default_solver() -> str:
-    from .solvers import SOLVERS
+    from ..solvers import SOLVERS
 
     return "auto" if "auto" in SOLVERS else "uniform"
 
@@ -115,7 +115,7 @@ _EPILOGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .solvers import SOLVERS
+    from ..solvers import SOLVERS
 
     parser = _Parser(
         prog="ckpt-planner",

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["unsafe_members", "load_pt2_safely"]
 

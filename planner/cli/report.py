@@ -52,7 +52,7 @@ def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) 
 
 def timeline_data(problem: Any, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Predicted live bytes after every simulator event of one step (forward, recompute, backward)."""
-    from .solvers import simulate
+    from ..solvers import simulate
 
     sim = simulate(problem, regions, timeline=True)
     values = [int(b) for _, _, b in sim.timeline]
@@ -74,8 +74,8 @@ def curve_data(
     Uses `solvers.sweep` when it exists, else one solve per budget; infeasible budgets are left out.
     `tick` is called once per solver (progress bars).
     """
-    from . import solvers
-    from .solvers import InfeasibleBudgetError, simulate
+    from .. import solvers
+    from ..solvers import InfeasibleBudgetError, simulate
 
     base = simulate(problem, ()).peak_bytes
     fixed = problem.fixed_bytes
@@ -133,7 +133,7 @@ def plan_data(
 
 
 def _fmt_bytes(n: Any) -> str:
-    from .plan import _fmt_bytes as fmt
+    from ..plan import _fmt_bytes as fmt
 
     return fmt(n)
 
@@ -223,7 +223,7 @@ def _plot_series(ax, series: dict[str, Any], label: str, style: str) -> None:
 @contextlib.contextmanager
 def _field(name: str) -> Iterator[None]:
     """Malformed data under `name` (an edited or foreign file) becomes one PlanFileError naming it."""
-    from .errors import PlanFileError
+    from ..errors import PlanFileError
 
     try:
         yield
@@ -366,7 +366,7 @@ def fits_text(row: dict[str, Any], budget: Any) -> str:
 
 def check_bench(plan: dict[str, Any], bench: dict[str, Any]) -> None:
     """Refuse a bench file measured on another model or input shape than the plan's."""
-    from .errors import PlanMismatchError
+    from ..errors import PlanMismatchError
 
     theirs, ours = bench.get("fingerprint"), plan.get("fingerprint")
     if theirs is None or theirs != ours:

@@ -1,0 +1,1 @@
+"""The eager lowering of a plan: checkpointed GraphModules and module-level checkpointing (README.md)."""
