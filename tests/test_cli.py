@@ -116,6 +116,19 @@ def factory_plan(work) -> tuple[Path, int, str]:
     return plan_path, code, stdout.getvalue()
 
 
+@pytest.mark.parametrize("flag, checks", [([], True), (["--no-exact-check"], False)])
+def test_plan_runs_the_safety_net_unless_told_not_to(work, capsys, monkeypatch, flag, checks):
+    import importlib
+
+    api = importlib.import_module("ckpt_planner.api")
+    calls: list[int] = []
+    real = api.step_differences
+    monkeypatch.setattr(api, "step_differences", lambda *a, **k: calls.append(1) or real(*a, **k))
+    code, _, _ = run(["plan", f"{work}/factory.py:make", "--solver", "uniform", "--activation-budget", "0.7",
+                      "--curve-points", "0", "--quiet", "-o", work / f"p{len(flag)}.json", *flag], capsys)
+    assert code == 0 and bool(calls) == checks
+
+
 def test_factory_plan_verify_apply_and_train(work, factory_plan, capsys):
     plan_path, code, stdout = factory_plan
     out = work / "fapplied"

@@ -235,7 +235,8 @@ def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], b
 
     with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
         planner = Planner(
-            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer
+            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
+            exact_check=getattr(args, "exact_check", True),
         )
     empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
     if empty is not None:
