@@ -65,9 +65,7 @@ def step_differences(
             for _, p in params:
                 p.grad = None
             out = m(*args, **kwargs)
-            loss = default_loss(out)
-            if loss is not None and loss.requires_grad:
-                loss.backward()
+            default_loss(out).backward()
             outs = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             grads = [None if p.grad is None else p.grad.detach().clone() for _, p in params]
             return outs, grads, [b.detach().clone() for _, b in buffers]

@@ -520,14 +520,13 @@ def _jsonable(obj: Any) -> Any:
 def _compiled_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]:
     """The summary's rows from 'peak memory, this plan' on, for a plan measured compiled: the measured
     peak leads; a knapsack plan has no regions and no eager prediction of its own."""
-    fmt_bytes = _fmt_bytes
     lowering = compiled.get("lowering", "regions")
     measured = plan.measured_peak_bytes or 0
     saved = plan.baseline_peak_bytes - measured
     rows = [
-        ("peak memory, this plan", f"{fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
-         + ("" if lowering == "knapsack" else f"; {fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
-        ("memory saved", f"{fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
+        ("peak memory, this plan", f"{_fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
+         + ("" if lowering == "knapsack" else f"; {_fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
+        ("memory saved", f"{_fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
                          "step without checkpointing (the compiled step without a plan is not measured)"),
     ]
     k = compiled.get("knapsack")
@@ -536,7 +535,7 @@ def _compiled_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]
             ("recompute overhead", f"{k.get('estimated_recompute_s', 0) * 1e3:.1f} ms estimated (FLOP/bytes roofline "
                                    "of the ops the partitioner may recompute)"),
             ("recomputed ops", f"no regions: the partitioner may recompute {k.get('candidates', 0) - k.get('kept_saved', 0)} "
-                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {fmt_bytes(k.get('saved_bytes', 0))} saved)"),
+                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {_fmt_bytes(k.get('saved_bytes', 0))} saved)"),
         ]
     else:
         rows += [

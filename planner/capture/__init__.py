@@ -1,30 +1,8 @@
 """Capture: model + example inputs -> fx.GraphModule, and the graph facts later stages read (README.md).
 
-`from ckpt_planner.capture import Capture, capture, ...` still gives the names of `capture.py`, as when it
-was a module: they resolve on first use, and `capture` stays the function (importing the submodule of that
-name does not rebind it)."""
+The names of `capture.py` are re-exported, so `from ckpt_planner.capture import Capture, capture` works as
+when it was a module; `capture` here is the function (bound after the submodule is imported)."""
 
-from __future__ import annotations
+from .capture import Capture, capture, flatten_for_graph, normalize_inputs
 
-import importlib
-import sys
-import types
-from typing import Any
-
-_NAMES = ("Capture", "capture", "normalize_inputs", "flatten_for_graph")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(".capture", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _NAMES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+__all__ = ["Capture", "capture", "flatten_for_graph", "normalize_inputs"]

@@ -1,30 +1,8 @@
 """The profile: per-node bytes and times, the timing store and the calibration (README.md).
 
-`from ckpt_planner.profile import ProfileConfig, profile` still gives the names of `profile.py`, as when it
-was a module: they resolve on first use, and `profile` stays the function (importing the submodule of that
-name does not rebind it)."""
+The names of `profile.py` are re-exported, so `from ckpt_planner.profile import ProfileConfig, profile`
+works as when it was a module; `profile` here is the function (bound after the submodule is imported)."""
 
-from __future__ import annotations
+from .profile import CostProfiler, ProfileConfig, profile
 
-import importlib
-import sys
-import types
-from typing import Any
-
-_NAMES = ("ProfileConfig", "CostProfiler", "profile")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        return getattr(importlib.import_module(".profile", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _NAMES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+__all__ = ["CostProfiler", "ProfileConfig", "profile"]
