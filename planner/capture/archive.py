@@ -1,27 +1,41 @@
-"""Loading a `torch.export` archive (.pt2) without running code hidden in it.
+"""Loading a `torch.export` archive (.pt2) from a source you do not trust, without running code from it.
 
-`torch.export.load` (torch 2.13, `torch/export/pt2_archive/_package.py`) reads
-some members with plain pickle, which runs whatever code the file carries:
+`torch.export.load` (torch 2.13, `torch/export/pt2_archive/_package.py`) runs
+code a crafted archive carries in several ways:
 
-* a weight or tensor constant whose entry in
-  ``data/weights/<model>_weights_config.json`` /
-  ``data/constants/<model>_constants_config.json`` says ``use_pickle: true``
-  (`torch.load(..., weights_only=False)`);
-* constants named ``custom_obj_*`` (TorchScript objects) or ``opaque_obj_*``
-  (`pickle.loads`);
-* the legacy weights / constants files ``data/weights/<model>.pt`` and
-  ``data/constants/<model>.pt``, and the sample inputs
-  ``data/sample_inputs/<model>.pt``, which `torch._export.serde` loads with
-  ``weights_only=True`` and, when that fails, again with ``weights_only=False``;
-* AOTInductor members (``data/aotinductor/``): compiled shared libraries;
-* archives of the older, pre-2.8 layout (no ``archive_format`` member), read
-  through the same fallback.
+* it loads every member under ``models/`` as a model (the name is the member's
+  name less its last five characters), each with its own weights, constants
+  and sample inputs;
+* it unpickles weights and tensor constants marked ``use_pickle`` with
+  ``weights_only=False``, constants named ``custom_obj_*`` / ``opaque_obj_*``
+  with plain pickle, legacy ``data/weights/<model>.pt`` files, and sample
+  inputs ``data/sample_inputs/<model>.pt``, which it retries with
+  ``weights_only=False`` when ``weights_only=True`` fails;
+* it loads AOTInductor libraries (``data/aotinductor/``) and, for archives of
+  the older layout (a top-level ``version``), pickled state dicts;
+* it hands every size expression of the serialized graph (``expr_str``) to
+  ``sympy.sympify``, which evaluates it as Python;
+* it inflates every member it reads, whatever its size.
 
-`load_pt2_safely` reads the archive once into memory, lists its members with
-the same reader torch uses (`torch._C.PyTorchFileReader`, which strips the
-archive's root folder), refuses the file when any member above would run code,
-and hands the very same bytes to `torch.export.load`, so the file cannot change
-between the check and the load. ``trust_pickle=True`` skips the check.
+`load_pt2_safely` reads the file once, and before torch sees the bytes:
+
+* every member must be on an allowlist (`_classify`): the one model
+  ``models/model.json`` that `torch.export.save` writes, its weights and
+  constants configs, the raw tensor files those configs name (never pickled),
+  its sample inputs (loadable with ``weights_only=True``), the archive's
+  small format files and ``extra/`` text; anything else is refused;
+* every ``expr_str`` and range-constraint symbol must follow the grammar of
+  `symexpr.py` (parsed with `ast`, never evaluated);
+* each member's inflated size is capped by its kind and the total by
+  `MAX_TOTAL_BYTES`; compressed members may inflate by `MAX_INFLATION_BYTES`
+  in all (`torch.export.save` stores every member uncompressed); the caps are
+  checked on the zip headers and again while reading, since headers can lie;
+* the member list torch's own reader (`torch._C.PyTorchFileReader`) sees must
+  equal Python's `zipfile`'s, so both read the same archive.
+
+torch then loads the very same bytes with ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` set,
+so even a fallback to ``weights_only=False`` inside torch cannot unpickle code.
+``trust_pickle=True`` skips the allowlist and the grammar (the size caps stay).
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ import io
 import json
 import logging
 import os
+import re
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,14 +55,34 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from .symexpr import ExprError, check_expr, check_symbol_name
 
 __all__ = ["unsafe_members", "load_pt2_safely"]
 
-_WEIGHTS_DIR = "data/weights/"
-_CONSTANTS_DIR = "data/constants/"
-_SAMPLE_INPUTS = "data/sample_inputs/{}.pt"
-_MODELS_DIR = "models/"
-_AOTI_DIR = "data/aotinductor/"
+MAX_SMALL_BYTES = 1024
+"""archive_format, archive_version, byteorder, .data/version, .data/serialization_id."""
+MAX_JSON_BYTES = 512 << 20
+"""The serialized graph and the weights / constants configs, each."""
+MAX_EXTRA_BYTES = 16 << 20
+"""Each ``extra/`` text member."""
+MAX_SAMPLE_INPUTS_BYTES = 4 << 30
+MAX_MEMBER_BYTES = 64 << 30
+"""Any other member (a raw weight or constant)."""
+MAX_TOTAL_BYTES = 256 << 30
+"""All members together, inflated."""
+MAX_INFLATION_BYTES = 256 << 20
+"""Bytes all compressed members together may add when inflated."""
+MAX_MEMBERS = 100_000
+MAX_JSON_DEPTH = 200
+
+_MODEL = "model"  # torch.export.save writes one model, and torch.export.load returns only this one
+_SMALL = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
+_GRAPH = f"models/{_MODEL}.json"
+_WEIGHTS_CONFIG = f"data/weights/{_MODEL}_weights_config.json"
+_CONSTANTS_CONFIG = f"data/constants/{_MODEL}_constants_config.json"
+_SAMPLE_INPUTS = f"data/sample_inputs/{_MODEL}.pt"
+_PAYLOAD_NAME = {"data/weights/": re.compile(r"weight_[0-9]{1,9}"), "data/constants/": re.compile(r"tensor_[0-9]{1,9}")}
+_CHUNK = 1 << 20
 
 
 def _first_line(e: BaseException) -> str:
@@ -54,68 +90,208 @@ def _first_line(e: BaseException) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)[:300]
 
 
-def _loads_weights_only(data: bytes) -> bool:
-    """True when `torch.load(weights_only=True)` reads these bytes (torch then never falls back)."""
+def _cap(inner: str) -> int:
+    if inner in _SMALL:
+        return MAX_SMALL_BYTES
+    if inner.endswith(".json"):
+        return MAX_JSON_BYTES
+    if inner.startswith("extra/"):
+        return MAX_EXTRA_BYTES
+    if inner == _SAMPLE_INPUTS:
+        return MAX_SAMPLE_INPUTS_BYTES
+    return MAX_MEMBER_BYTES
+
+
+def _check_sizes(infos: list[zipfile.ZipInfo], inner: dict[str, str]) -> None:
+    """The caps on the headers' sizes (InputError naming the member)."""
+    total = inflation = 0
+    worst = max(infos, key=lambda i: i.file_size - i.compress_size, default=None)
+    for info in infos:
+        name = inner[info.filename]
+        if info.file_size > _cap(name):
+            raise InputError(f"member {name!r} inflates to {info.file_size} bytes, over the {_cap(name)}-byte limit")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise InputError(f"member {name!r}: its header gives two sizes for an uncompressed member")
+        total += info.file_size
+        inflation += max(0, info.file_size - info.compress_size)
+    if total > MAX_TOTAL_BYTES:
+        raise InputError(f"members inflate to {total} bytes in all, over the {MAX_TOTAL_BYTES}-byte limit")
+    if inflation > MAX_INFLATION_BYTES:
+        raise InputError(
+            f"compressed members inflate by {inflation} bytes in all ({inner[worst.filename]!r} from "
+            f"{worst.compress_size} to {worst.file_size}), over the {MAX_INFLATION_BYTES}-byte limit "
+            "(torch.export.save stores members uncompressed)"
+        )
+
+
+def _read(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> bytes:
+    """A member's bytes, read in chunks and stopped past its header size or its cap (headers can lie)."""
+    limit = min(info.file_size, _cap(name))
+    chunks, size = [], 0
     try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with z.open(info) as f:
+            while chunk := f.read(_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    raise InputError(f"member {name!r} inflates past the size its header gives ({info.file_size} bytes)")
+                chunks.append(chunk)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        raise InputError(f"member {name!r} cannot be read ({_first_line(e)})") from None
+    return b"".join(chunks)
+
+
+def _json(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> Any:
+    try:
+        return json.loads(_read(z, info, name).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise InputError(f"member {name!r} is not valid JSON ({_first_line(e)})") from None
+
+
+def _expressions(graph: Any) -> list[str]:
+    """Problems with the graph's size expressions and range constraints (walked without recursion)."""
+    found: list[str] = []
+    stack: list[tuple[Any, int]] = [(graph, 0)]
+    while stack and len(found) < 5:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return [f"{_GRAPH} nested deeper than {MAX_JSON_DEPTH} levels"]
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key == "expr_str":
+                    try:
+                        check_expr(item)
+                    except ExprError as e:
+                        found.append(f"{_GRAPH}: size expression {str(item)[:60]!r} ({e}; torch would evaluate it as code)")
+                elif key == "range_constraints" and isinstance(item, dict):
+                    for symbol, bounds in item.items():
+                        try:
+                            check_symbol_name(symbol)
+                            for end in ("min_val", "max_val"):
+                                v = bounds.get(end) if isinstance(bounds, dict) else 0
+                                if v is not None and (type(v) is not int or abs(v) >= 1 << 63):
+                                    raise ExprError(f"{end} is not a 64-bit integer")
+                        except ExprError as e:
+                            found.append(f"{_GRAPH}: range constraint {str(symbol)[:40]!r} ({e})")
+                else:
+                    stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+    return found
+
+
+def _payloads(config: Any, name: str, directory: str) -> tuple[set[str], list[str]]:
+    """(raw tensor files a weights/constants config names, its pickled or code entries)."""
+    entries = config.get("config") if isinstance(config, dict) else None
+    if not isinstance(entries, dict):
+        raise InputError(f"member {name!r} is not a torch.export payload config")
+    files: set[str] = set()
+    bad: list[str] = []
+    for fqn, meta in entries.items():
+        path = meta.get("path_name") if isinstance(meta, dict) else None
+        if not isinstance(path, str):
+            raise InputError(f"member {name!r}: entry {str(fqn)[:60]!r} has no path_name")
+        if meta.get("use_pickle") is not False or not isinstance(meta.get("tensor_meta"), dict):
+            bad.append(f"{str(fqn)[:60]!r} in {name} ({directory}{path[:60]}, pickled)")
+        elif not _PAYLOAD_NAME[directory].fullmatch(path):
+            bad.append(f"{str(fqn)[:60]!r} in {name} ({directory}{path[:60]}, not a raw tensor file)")
+        else:
+            files.add(directory + path)
+    return files, bad
+
+
+def _loads_weights_only(data: bytes) -> bool:
+    """True when `torch.load(weights_only=True)` reads these bytes as torch's sample inputs (a tuple or dict)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the pickle protocol notice torch prints for every export
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - any failure means torch would retry with weights_only=False
         return False
-    return True
+    return isinstance(value, (tuple, dict))
 
 
-def _config(reader: Any, name: str) -> dict[str, Any]:
+def _classify(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo]) -> list[str]:
+    """The members the allowlist refuses, each with the reason."""
+    if "archive_format" not in by_name:
+        return ["the whole archive (an older torch.export layout, read with pickle)"]
+    if _read(z, by_name["archive_format"], "archive_format") != b"pt2":
+        return ["the whole archive (archive_format is not 'pt2'; torch would retry it as the older, pickled layout)"]
+    for required in ("archive_version", _GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _SAMPLE_INPUTS):
+        if required not in by_name:
+            raise InputError(f"not a torch.export archive: member {required!r} is missing")
+    found = _expressions(_json(z, by_name[_GRAPH], _GRAPH))
+    weights, bad_w = _payloads(_json(z, by_name[_WEIGHTS_CONFIG], _WEIGHTS_CONFIG), _WEIGHTS_CONFIG, "data/weights/")
+    constants, bad_c = _payloads(_json(z, by_name[_CONSTANTS_CONFIG], _CONSTANTS_CONFIG), _CONSTANTS_CONFIG,
+                                 "data/constants/")
+    found += [f"weight {b}" for b in bad_w] + [f"constant {b}" for b in bad_c]
+    if not _loads_weights_only(_read(z, by_name[_SAMPLE_INPUTS], _SAMPLE_INPUTS)):
+        found.append(f"{_SAMPLE_INPUTS} (sample inputs not loadable with weights_only=True)")
+    known = _SMALL | {_GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _SAMPLE_INPUTS} | weights | constants
+    for name, info in by_name.items():
+        if name in known:
+            continue
+        if name.startswith("extra/") and not name.endswith("/"):
+            try:
+                _read(z, info, name).decode("utf-8")
+                continue
+            except UnicodeDecodeError:
+                pass
+        if name.startswith("data/aotinductor/"):
+            found.append(f"{name[:80]} (a compiled AOTInductor library)")
+        elif name.startswith(("models/", "data/")):
+            found.append(f"{name[:80]} (not part of the one model torch.export.save writes; torch would load it)")
+        else:
+            found.append(f"{name[:80]} (unknown member)")
+    for name in (weights | constants) - by_name.keys():
+        found.append(f"{name[:80]} (named by a config but missing)")
+    return found
+
+
+def _open_archive(data: bytes) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
+    """The archive and its members by their names inside the root folder, the sizes checked (InputError)."""
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise InputError("not a torch.export archive (.pt2): not a zip file")
     try:
-        data = json.loads(reader.get_record(name).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, RuntimeError) as e:
-        raise InputError(f"archive member {name!r} is not valid JSON ({_first_line(e)})") from None
-    config = data.get("config") if isinstance(data, dict) else None
-    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
-        raise InputError(f"archive member {name!r} is not a torch.export payload config")
-    return config
+        z = zipfile.ZipFile(io.BytesIO(data))
+        infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError) as e:
+        raise InputError(f"not a readable zip archive ({_first_line(e)})") from None
+    if len(infos) > MAX_MEMBERS:
+        raise InputError(f"the archive has {len(infos)} members, over the limit of {MAX_MEMBERS}")
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise InputError(f"the archive lists member {dup[:80]!r} twice")
+    roots = {n.split("/", 1)[0] if "/" in n else "" for n in names}
+    one_root = len(roots) == 1 and "" not in roots
+    # Members outside one root folder (the older layout's top-level `version`) keep their full names.
+    inner = {n: n.split("/", 1)[1] if one_root else n for n in names}
+    _check_sizes(infos, inner)
+    if one_root:
+        try:
+            torch_names = set(torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records())
+        except RuntimeError as e:
+            raise InputError(f"not a readable torch.export archive: {_first_line(e)}") from None
+        if torch_names != set(inner.values()):
+            raise InputError("torch's zip reader and Python's list different members; the archive is malformed")
+    return z, {inner[i.filename]: i for i in infos}
 
 
 def unsafe_members(data: bytes) -> list[str]:
-    """Members of a .pt2 archive (its bytes) that `torch.export.load` would unpickle or execute.
+    """Members of a .pt2 archive (its bytes) that the allowlist refuses: code, pickles, unknown members.
 
-    Raises InputError when the bytes are not an archive at all.
+    Raises InputError when the bytes are not an archive, a member is over its size cap, or the archive
+    is malformed (these are refused whatever the caller trusts).
     """
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise InputError("not a torch.export archive (.pt2): not a zip file")
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        # torch.export.load retries any archive it fails to read as the older layout, whose
-        # top-level `version` member leads to pickled state dicts, constants and inputs.
-        if "version" in z.namelist():
-            return ["version (an older torch.export layout, read with pickle)"]
-    try:
-        reader = torch._C.PyTorchFileReader(io.BytesIO(data))
-        names = set(reader.get_all_records())
-    except RuntimeError as e:
-        raise InputError(f"not a readable torch.export archive: {_first_line(e)}") from None
-    if "archive_format" not in names or reader.get_record("archive_format").decode(errors="replace") != "pt2":
-        return ["the whole archive (an older torch.export layout, read with pickle)"]
-    found: list[str] = []
-    models = sorted(n[len(_MODELS_DIR):-len(".json")] for n in names if n.startswith(_MODELS_DIR) and n.endswith(".json"))
-    for model in models:
-        for legacy in (f"{_WEIGHTS_DIR}{model}.pt", f"{_CONSTANTS_DIR}{model}.pt"):
-            if legacy in names and not _loads_weights_only(reader.get_record(legacy)):
-                found.append(f"{legacy} (not loadable with weights_only=True)")
-        weights = f"{_WEIGHTS_DIR}{model}_weights_config.json"
-        if weights in names:
-            for fqn, meta in _config(reader, weights).items():
-                if meta.get("use_pickle"):
-                    found.append(f"weight {fqn!r} ({_WEIGHTS_DIR}{meta.get('path_name')}, use_pickle)")
-        constants = f"{_CONSTANTS_DIR}{model}_constants_config.json"
-        if constants in names:
-            for fqn, meta in _config(reader, constants).items():
-                path = str(meta.get("path_name", ""))
-                if meta.get("use_pickle") or path.startswith(("custom_obj_", "opaque_obj_")):
-                    found.append(f"constant {fqn!r} ({_CONSTANTS_DIR}{path}, pickled object)")
-        sample = _SAMPLE_INPUTS.format(model)
-        if sample in names and not _loads_weights_only(reader.get_record(sample)):
-            found.append(f"{sample} (sample inputs not loadable with weights_only=True)")
-    if any(n.startswith(_AOTI_DIR) for n in names):
-        found.append(f"{_AOTI_DIR} (compiled AOTInductor libraries)")
-    return found
+    z, by_name = _open_archive(data)
+    with z:
+        if any("/" not in n for n in z.namelist()) or len({n.split("/", 1)[0] for n in z.namelist()}) != 1:
+            # torch.export.load retries any archive it fails to read as the older layout, whose
+            # top-level `version` member leads to pickled state dicts, constants and inputs.
+            outside = sorted(n for n in z.namelist() if "/" not in n)
+            return [f"{', '.join(outside[:3]) or 'members'} outside the archive's root folder "
+                    "(an older torch.export layout, read with pickle)"]
+        return _classify(z, by_name)
 
 
 @contextlib.contextmanager
@@ -133,10 +309,27 @@ def quiet_torch_export() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> Any:
-    """`torch.export.load(path)`, refusing an archive that would unpickle or execute code (see module doc).
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` inside is `weights_only=True`, whatever its caller asks (torch's own switch)."""
+    keys = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    Errors are InputError naming the file; pickled members are listed, and the
+
+def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> Any:
+    """`torch.export.load(path)`, refusing an archive that would run code or exhaust memory (see module doc).
+
+    Errors are InputError naming the file; refused members are listed, and the
     message says that ``--trust-pickle`` (API: ``trust_pickle=True``) loads it anyway.
     """
     p = Path(path)
@@ -145,21 +338,24 @@ def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> A
         data = p.read_bytes()
     except OSError as e:
         raise InputError(f"model file {label} cannot be read ({e.strerror})") from None
-    if not trust_pickle:
-        try:
-            unsafe = unsafe_members(data)
-        except InputError as e:
-            raise InputError(f"model file {label}: {e}") from None
-        if unsafe:
-            shown = "; ".join(unsafe[:3]) + (f"; and {len(unsafe) - 3} more" if len(unsafe) > 3 else "")
-            raise InputError(
-                f"model file {label} holds members that torch.export.load would unpickle or execute ({shown}); "
-                "loading it runs code from the file, so pass --trust-pickle (trust_pickle=True) only if you trust it"
-            )
-    elif not zipfile.is_zipfile(io.BytesIO(data)):
-        raise InputError(f"model file {label} is not a torch.export archive (.pt2)")
     try:
-        with quiet_torch_export():
+        if trust_pickle:
+            _open_archive(data)[0].close()
+            unsafe = []
+        else:
+            unsafe = unsafe_members(data)
+    except InputError as e:
+        raise InputError(f"model file {label}: {e}") from None
+    if unsafe:
+        shown = "; ".join(unsafe[:3]) + (f"; and {len(unsafe) - 3} more" if len(unsafe) > 3 else "")
+        raise InputError(
+            f"model file {label} holds members that torch.export.load would unpickle or execute, or that a "
+            f"torch.export.save archive never has ({shown}); loading it may run code from the file, so pass "
+            "--trust-pickle (trust_pickle=True) only if you trust it"
+        )
+    guard = contextlib.nullcontext() if trust_pickle else _weights_only_loads()
+    try:
+        with quiet_torch_export(), guard:
             return torch.export.load(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - corrupt or foreign archive
         raise InputError(f"model file {label} cannot be loaded with torch.export.load: {_first_line(e)}") from None
