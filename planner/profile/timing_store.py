@@ -25,6 +25,11 @@ Where: the directory `$CKPT_PLANNER_TIMINGS` names, else `$XDG_CACHE_HOME/ckpt-p
 `CKPT_PLANNER_TIMINGS=off` (or `ProfileConfig(timing_store=False)`) measures afresh and stores
 nothing; deleting the file measures again. A store that cannot be read is ignored; one that cannot be
 written is not an error (the plan is made from this run's measurements).
+
+A store is data from disk, so nothing in it is taken on trust: a stored time that is not a finite
+number of seconds in (`MIN_TIME_S`, `MAX_TIME_S`] (negative, zero, 1e-300, NaN, a year) is dropped and
+measured again, and never stored; a file that another user owns or that others may write, or that is
+nested too deeply to read, is ignored with one `TimingStoreWarning` naming it.
 """
 
 from __future__ import annotations
@@ -34,17 +39,37 @@ import json
 import os
 import platform
 import re
+import stat
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["TimingStore", "open_store", "store_dir", "STORE_ENV"]
+__all__ = ["TimingStore", "TimingStoreWarning", "open_store", "store_dir", "STORE_ENV"]
 
 STORE_ENV = "CKPT_PLANNER_TIMINGS"
 FORMAT = 5  # 5: the selective figures time the kept-node mode of selective.py, not torch's policy mode
 _OFF = {"off", "0", "no", "false", "none"}
+MIN_TIME_S = 1e-9  # seconds: below any op's launch; 0, negatives and 1e-300 are not measurements
+MAX_TIME_S = 3600.0  # seconds: no op, call or step of one training step takes an hour
+_MAY_BE_ZERO = {"recomputed", "calls"}  # a calibration snapshot's predicted figures (timing.CALIBRATION_STEPS)
+_TIMED_TABLES = ("ops", "overheads", "graphs", "steps")
+
+
+class TimingStoreWarning(UserWarning):
+    """A timing store file that is ignored (not the user's, writable by others, unreadable); names the file."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        warnings.warn(f"timing store {str(path)!r} {why}; it is ignored (times are measured afresh)",
+                      TimingStoreWarning, stacklevel=4)
 
 
 def store_dir() -> Path | None:
@@ -105,6 +130,8 @@ class TimingStore:
         old = _comparable(self.data[table].get(key), value)
         if old is not None and not _total(value) <= heal * _total(old):
             return old
+        if not _valid(value):  # a failed measurement is this run's alone
+            return value
         self.data[table][key] = value
         self._added[table][key] = (value, heal)
         return value
@@ -159,19 +186,61 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
+def _time(v: Any, *, zero: bool = False) -> bool:
+    """A stored time in seconds: finite, in (MIN_TIME_S, MAX_TIME_S] (or exactly 0 where `zero`)."""
+    return _number(v) and (MIN_TIME_S < v <= MAX_TIME_S or (zero and v == 0))
+
+
+def _valid(value: Any) -> bool:
+    """A time, or a snapshot {name: seconds} of them (its predicted figures may be 0)."""
+    if isinstance(value, dict):
+        return bool(value) and all(isinstance(k, str) and _time(v, zero=k in _MAY_BE_ZERO) for k, v in value.items())
+    return _time(value)
+
+
 def _empty() -> dict[str, dict[str, Any]]:
     return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}}
 
 
+def _read_own(path: Path) -> str | None:
+    """The file's text, read from one descriptor: None (with a warning) when another user owns it or
+    others may write it, so its times could be anyone's; None when it is missing or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+            _warn_once(path, f"belongs to another user (uid {st.st_uid})")
+            return None
+        if st.st_mode & stat.S_IWOTH:
+            _warn_once(path, "is writable by other users")
+            return None
+        try:
+            return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+
+
 def _read(path: Path) -> dict[str, dict[str, Any]]:
     empty = _empty()
+    text = _read_own(path)
+    if text is None:
+        return empty
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+        raw = json.loads(text)
+    except ValueError:
+        return empty
+    except RecursionError:
+        _warn_once(path, "is nested too deeply to read")
         return empty
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         return empty
-    return {k: dict(raw[k]) if isinstance(raw.get(k), dict) else {} for k in empty}
+    tables = {k: dict(raw[k]) if isinstance(raw.get(k), dict) else {} for k in empty}
+    for table in _TIMED_TABLES:  # a bad time (hand-edited, another tool's) is measured again
+        tables[table] = {k: v for k, v in tables[table].items() if _valid(v)}
+    return tables
 
 
 def open_store(device: torch.device | str, enabled: bool = True) -> TimingStore:
