@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .errors import InputError, PlanFileError, PlanMismatchError
+from .plan_schema import check_plan, read_plan_file
 
 __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
 
@@ -282,7 +283,8 @@ class Plan:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise PlanFileError(f"{source}: not a ckpt-planner plan (schema field missing or wrong)")
         if data.get("version") != SCHEMA_VERSION:
-            raise PlanFileError(f"{source}: plan schema version {data.get('version')!r}, this planner reads {SCHEMA_VERSION}")
+            raise PlanFileError(f"{source}: plan schema version {str(data.get('version'))[:40]!r}, this planner reads {SCHEMA_VERSION}")
+        check_plan(data, source)  # every field's type and range, before any is used
         try:
             regions = tuple(
                 Region(
@@ -333,14 +335,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         """Read a plan file; the module is built later with `rebuild(model, example_inputs)`."""
-        path = Path(path)
-        if not path.is_file():
-            raise PlanFileError(f"plan file {str(path)!r} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PlanFileError(f"plan file {str(path)!r} is not valid JSON ({e.__class__.__name__}: {e})") from None
-        return cls.from_dict(data, source=f"plan file {str(path)!r}")
+        source = f"plan file {str(path)!r}"
+        return cls.from_dict(read_plan_file(path, source), source=source)
 
     def rebuild(self, model: torch.nn.Module, example_inputs: Any = None) -> torch.nn.Module:
         """Build the checkpointed module for `model` (a fresh instance of the planned model).
