@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from .outputs import OutputError, digests, foreign_files
 
 __all__ = ["APPLIED_FORMAT", "Applied", "is_applied_folder", "write_applied", "load_applied"]
 
@@ -82,6 +83,14 @@ def check_output_folder(out: Path) -> None:
         raise InputError(
             f"output folder {str(out)!r} exists and is not an empty folder or an earlier ckpt-planner apply output "
             "(its manifest.json has no ckpt-planner format key); choose another folder"
+        )
+    manifest = _read_manifest(out) if out.is_dir() else None
+    theirs = foreign_files(out, manifest, {"load.py": _LOAD_PY}) if manifest is not None else []
+    if theirs:
+        shown = ", ".join(repr(n) for n in theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+        raise OutputError(
+            f"output folder {str(out)!r} is an earlier apply output holding files apply did not write or that "
+            f"changed since ({shown}); replacing it would delete them: move them out or choose another folder"
         )
 
 
@@ -155,11 +164,16 @@ def write_applied(out: str | os.PathLike, *, loaded: Any, plan: Any, example_inp
         }
         if loaded.kind == "factory" and not model_spec.rpartition(":")[0].endswith(".py"):
             manifest["cwd"] = os.getcwd()  # where a package.module:factory spec was importable from
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         (tmp / "load.py").write_text(_LOAD_PY)
+        manifest["written"] = digests(tmp)  # a later apply -o replaces only these, unchanged
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         _swap_into_place(tmp, out, parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e)):  # torch.save's writer
+            first = next((ln for ln in str(e.strerror if isinstance(e, OSError) else e).splitlines() if ln.strip()), "")
+            raise OutputError(f"output folder {str(out)!r} could not be written ({first[:200]}); nothing was "
+                              "written and an earlier folder there was left as it was") from None
         raise
     return out
 

@@ -172,8 +172,10 @@ def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
         from .applied import check_output_folder
 
         check_output_folder(p)
-    elif p.is_dir():
-        raise InputError(f"{what} {path!r} is a directory")
+    else:
+        from .outputs import check_output_file
+
+        return check_output_file(p, what)  # a regular file or nothing: never a device, fifo or socket
     try:
         fd, probe = tempfile.mkstemp(prefix=".ckpt-planner-probe-", dir=parent)
         os.close(fd)
@@ -184,16 +186,10 @@ def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent if str(path.parent) else ".")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Renamed into place; an existing file keeps its mode; any OSError is one line, exit 2 (outputs.py)."""
+    from .outputs import write_file
+
+    write_file(path, text)
 
 
 def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
@@ -286,7 +282,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             with _stage(bar, "verifying"):
                 ok, failure = _verify_into(plan, model, inputs)
     if out is not None and ok:
-        plan.save(out)
+        _write_atomic(out, json.dumps(plan.to_dict(), indent=2))  # as Plan.save writes it
     if args.json:
         _out(args, json.dumps(plan.to_dict(), indent=2))
     else:

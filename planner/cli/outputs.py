@@ -1,0 +1,147 @@
+"""Where the command line writes (`-o FILE`, `apply -o DIR`), without losing or changing what is there.
+
+* Only a regular file, or nothing, is replaced by a file: a device node (a copy of /dev/null or
+  /dev/full), a fifo, a socket, a folder or a symbolic link at the path is refused, since renaming a
+  file over it would replace the node itself.
+* The file is written beside the target and renamed into place; a replaced file keeps its mode (a
+  0600 plan stays 0600), a new one gets the usual 0666 less the umask.
+* Every OSError while writing (a full disk: ENOSPC, EIO, EDQUOT) is one `OutputError` line (exit 2),
+  and the temporary file is removed: nothing half-written is left and the old file is as it was.
+* An `apply` folder records a digest of every file it wrote (`written`, in its manifest); `apply -o`
+  over it refuses, naming them, when it holds files apply did not write or that were changed since
+  (notes, a weight file, an edited load.py). Python's `__pycache__` folders are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+
+__all__ = ["OutputError", "check_output_file", "write_file", "digests", "foreign_files"]
+
+
+class OutputError(InputError):
+    """An output path that cannot be written, or may not be replaced; nothing was written."""
+
+
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a fifo",
+          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory"}
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What is at `path` when it is something other than a regular file (None: a file, or nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work, an output that is not a regular file or cannot be written (OutputError)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} does not exist")
+    kind = _not_a_file(p)
+    if kind is not None:
+        raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ckpt-planner-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} is not writable ({e.strerror})") from None
+    return p
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_file(path: str | os.PathLike, text: str | bytes, what: str = "output") -> None:
+    """Write `text` to `path` through a temporary file renamed into place; OutputError on any failure."""
+    p = Path(path)
+    kind = _not_a_file(p)
+    if kind is not None:  # it changed since check_output_file
+        raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    try:
+        mode = stat.S_IMODE(os.stat(p).st_mode) if p.exists() else _new_file_mode()
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}-", dir=p.parent if str(p.parent) else ".")
+    except OSError as e:
+        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """{path inside the folder: sha256} of every regular file under `folder`."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            out[p.relative_to(folder).as_posix()] = _sha256(p)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def foreign_files(folder: Path, manifest: dict[str, Any], written_by_older: dict[str, str]) -> list[str]:
+    """Entries of an earlier apply folder that apply did not write, or that changed since it wrote them.
+
+    `manifest["written"]` lists what apply wrote with digests; a folder from before it was recorded is
+    judged by name and, for the text files, content (`written_by_older`: {name: the text apply writes}).
+    """
+    recorded = manifest.get("written") if isinstance(manifest.get("written"), dict) else None
+    found = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if "__pycache__" in p.relative_to(folder).parts or rel == "manifest.json":
+            continue
+        if p.is_dir() and not p.is_symlink():
+            continue
+        if not p.is_file() or p.is_symlink():
+            found.append(rel)
+        elif recorded is not None:
+            if recorded.get(rel) != _sha256(p):
+                found.append(rel)
+        elif rel in written_by_older:
+            if p.read_bytes() != written_by_older[rel].encode():
+                found.append(rel)
+        elif not (rel in ("plan.json", "state_dict.pt", "inputs.pt", "model.pt2", "model.pt")
+                  or (rel.startswith("code/") and rel.endswith(".py"))):
+            found.append(rel)
+    return found
