@@ -161,10 +161,11 @@ def test_size_expressions_torch_writes_pass_and_code_does_not():
                "Add(Mul(Integer(4), Symbol('s77', positive=True, integer=True)), "
                "FloorDiv(Symbol('s77', positive=True, integer=True), Integer(2)))",
                "Max(Integer(4), Symbol('s0', integer=True))", "Mod(Symbol('u1', integer=True), Integer(-3))",
-               "s0 * 2 + s1 // 3 - s2 % 4", "Min(s0, 8)", "-s0"):
+               "s0 * 2 + s1 // 3 - s2 % 4", "Min(s0, 8)", "-s0",
+               "Pow(Symbol('s70', positive=True, integer=True), Integer(2))", "s0 ** 3"):
         check_expr(ok)
     for bad in ("__import__('os').system('true')", "s0.__class__", "Symbol('E')", "Symbol('s0', evil=1)",
-                "Integer('1')", "s0 ** 2", "s0 / 2", "[s0]", "lambda: 1", "Float(1.5)", "1.5", "E", "pi",
+                "Integer('1')", "s0 ** s1", "Pow(Integer(10), Integer(10 ** 18))", "Pow(s0, 99)", "s0 / 2", "[s0]", "lambda: 1", "Float(1.5)", "1.5", "E", "pi",
                 "Mod(s0)", "Max(s0, key=1)", "f'{s0}'", "s0 if s0 else 1", "9" * 25, "(" * 300 + "1" + ")" * 300,
                 "Add(" * 2000 + "1" + ")" * 2000, "s0 + " * 5000 + "1", 7):
         with pytest.raises(ExprError):

@@ -7,7 +7,8 @@ through a size. torch itself writes these strings with ``sympy.srepr``::
     Add(Mul(Integer(4), Symbol('s77', positive=True, integer=True)), FloorDiv(Symbol('s77', ...), Integer(2)))
 
 `check_expr` parses a string with Python's `ast` (nothing is evaluated) and
-accepts only integers, symbols, ``+ - * // %`` and the calls below; anything
+accepts only integers, symbols, ``+ - * // %``, small integer powers (torch writes a square as
+``Pow(s0, Integer(2))``) and the calls below; anything
 else (attributes, subscripts, lambdas, other names or calls, strings outside
 ``Symbol('name')``, floats) is refused.
 """
@@ -26,7 +27,10 @@ MAX_INT_DIGITS = 20
 SYMBOL_NAME = re.compile(r"[a-z]{1,8}[0-9]{1,12}")
 """torch's size symbols: a short prefix and a number (s0, u3, s77); never a sympy constant (E, I, S, pi)."""
 
-_FUNCTIONS = {"Add", "Mul", "Mod", "Max", "Min", "FloorDiv"}
+_FUNCTIONS = {"Add", "Mul", "Mod", "Max", "Min", "FloorDiv", "PythonMod", "CleanDiv"}
+_TWO_ARGS = {"Mod", "FloorDiv", "PythonMod", "CleanDiv"}
+MAX_POWER = 64
+"""`Pow(x, n)` (torch writes `Pow(s70, Integer(2))` for a square) only with a literal n in 0..MAX_POWER."""
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod)
 _UNARY = (ast.USub, ast.UAdd)
 _SYMBOL_ASSUMPTIONS = {"integer", "positive", "nonnegative", "negative", "nonpositive", "real", "finite"}
@@ -57,6 +61,14 @@ def _symbol_call(node: ast.Call) -> None:
             raise ExprError(f"Symbol(...) keyword {str(kw.arg)[:20]!r} is not a True/False size assumption")
 
 
+def _power(node: ast.AST) -> None:
+    """An exponent: a literal integer in 0..MAX_POWER, bare or as Integer(n) (a huge one would hang sympy)."""
+    if type(node) is ast.Call and type(node.func) is ast.Name and node.func.id == "Integer" and len(node.args) == 1:
+        node = node.args[0]
+    if type(node) is not ast.Constant or type(node.value) is not int or not 0 <= node.value <= MAX_POWER:
+        raise ExprError(f"an exponent other than an integer from 0 to {MAX_POWER}")
+
+
 def _walk(node: ast.AST) -> None:
     kind = type(node)
     if kind is ast.Constant:
@@ -64,8 +76,12 @@ def _walk(node: ast.AST) -> None:
     elif kind is ast.Name:
         check_symbol_name(node.id)
     elif kind is ast.BinOp:
+        if type(node.op) is ast.Pow:
+            _walk(node.left)
+            _power(node.right)
+            return
         if not isinstance(node.op, _BINOPS):
-            raise ExprError(f"operator {type(node.op).__name__} (only + - * // % are allowed)")
+            raise ExprError(f"operator {type(node.op).__name__} (only + - * // % ** are allowed)")
         _walk(node.left)
         _walk(node.right)
     elif kind is ast.UnaryOp:
@@ -83,14 +99,19 @@ def _walk(node: ast.AST) -> None:
             if type(arg) is ast.UnaryOp and type(arg.op) is ast.USub:
                 arg = arg.operand
             _int(arg)
+        elif name == "Pow":
+            if len(node.args) != 2 or node.keywords:
+                raise ExprError("Pow(...) takes a base and an exponent")
+            _walk(node.args[0])
+            _power(node.args[1])
         elif name in _FUNCTIONS:
-            if node.keywords or not node.args or (name in ("Mod", "FloorDiv") and len(node.args) != 2):
+            if node.keywords or not node.args or (name in _TWO_ARGS and len(node.args) != 2):
                 raise ExprError(f"{name}(...) with the wrong arguments")
             for arg in node.args:
                 _walk(arg)
         else:
             shown = name if name is not None else type(node.func).__name__
-            raise ExprError(f"call of {shown[:40]!r} (only {', '.join(sorted(_FUNCTIONS | {'Integer', 'Symbol'}))})")
+            raise ExprError(f"call of {shown[:40]!r} (only {', '.join(sorted(_FUNCTIONS | {'Integer', 'Pow', 'Symbol'}))})")
     else:
         raise ExprError(f"{kind.__name__} is not part of a size expression")
 
