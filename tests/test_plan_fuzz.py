@@ -223,3 +223,14 @@ def test_the_issues_fields_name_the_field(setup, capsys):
     code = main(["report", str(plan), "-o", str(setup["dir"] / "r.html")])
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "not valid JSON" in err, err
+
+
+def test_a_bench_file_beside_the_plan_is_held_to_the_same_limits(setup, capsys):
+    plan = setup["dir"] / "plan.json"
+    for field, value in (("model", "\ud800"), ("budget_bytes", float("inf"))):
+        bench = setup["dir"] / "bench.json"
+        text = json.dumps({"schema": "ckpt-planner/bench", "model": "m", "budget_bytes": 1, "rows": [], field: value})
+        bench.write_bytes(text.encode("utf-8", "surrogatepass"))
+        code = main(["report", str(plan), "--bench", str(bench), "-o", str(setup["dir"] / "rb.html")])
+        _, err = capsys.readouterr()
+        assert code == 2 and len(err.strip().splitlines()) == 1 and f"field {field}" in err, err

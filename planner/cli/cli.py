@@ -439,6 +439,9 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
         if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
             raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
+        from ..plan_schema import check_json_limits
+
+        check_json_limits(bench, f"bench file {args.bench!r}")  # finite numbers, no lone surrogates, limits
     try:
         text = rep.render(plan, bench, fmt=fmt)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
