@@ -181,3 +181,12 @@ def test_write_file_refuses_a_path_that_became_a_fifo(tmp_path):
     with pytest.raises(outputs.OutputError, match="a fifo"):
         outputs.write_file(path, "{}")
     assert stat.S_ISFIFO(os.lstat(path).st_mode) and leftovers(tmp_path) == []
+
+
+def test_a_manifest_with_a_5000_digit_number_is_not_ours_and_is_one_line(made, tmp_path, capsys):
+    out = tmp_path / "applied"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"format": "ckpt-planner/applied", "version": ' + "9" * 5000 + "}")
+    code, err = run(["apply", made["factory"], made["plan"], "-o", out], capsys)
+    assert code == 2 and "not an empty folder" in one_line(err)
+    assert [p.name for p in out.iterdir()] == ["manifest.json"]

@@ -66,7 +66,7 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSON, or a 5,000-digit number
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == APPLIED_FORMAT else None
 
