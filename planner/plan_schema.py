@@ -175,7 +175,9 @@ _STATS = _obj({
     "sharding": _obj({"world_size": _int(1, 1 << 24), "sharding": _str(100, null=True)}),
     "no_checkpoint_peak_bytes": _BYTES,
     "own_checkpointing": _any,
-    "compiled": _obj({"lowering": _str(100), "knapsack": _obj({}, values=_num(-MAX_BYTES, MAX_BYTES))}),
+    "compiled": _obj({"lowering": _str(100), "knapsack": _obj({
+        "estimated_recompute_s": _SECONDS, "candidates": _int(0, MAX_NODES), "kept_saved": _int(0, MAX_NODES),
+        "saved_bytes": _num(0, MAX_BYTES), "candidate_bytes": _num(0, MAX_BYTES)})}),
     "timeline": _obj({}, values=_SERIES),
     "curves": _obj({"solvers": _obj({}, values=_list(_POINT)), "baseline": _POINT, "plan": _POINT,
                     "forward_s": _SECONDS}),
