@@ -57,6 +57,9 @@ class TokenGroup:
     """Bytes of the chunked inputs and the outputs (what stays whole)."""
     axes: tuple[tuple[str, Axis], ...] = ()
     """The axis of each member's output (members that have one)."""
+    param_bytes: int = 0
+    """Bytes of the trainable parameters the members read: each chunk's backward makes a gradient of that
+    size before it is added to the others (an embedding table's twice: its backward starts from zeros)."""
 
 
 def hint(x: Any) -> int:
@@ -436,7 +439,23 @@ def _group(gm: fx.GraphModule, nodes: list[fx.Node], axes: dict[fx.Node, Axis], 
         interior_bytes=int(interior),
         boundary_bytes=int(boundary),
         axes=tuple((n.name, axes[n]) for n in nodes if n in axes),
+        param_bytes=_param_bytes(gm, nodes, whole),
     )
+
+
+def _param_bytes(gm: fx.GraphModule, nodes: list[fx.Node], whole: dict[fx.Node, None]) -> int:
+    total = 0
+    for a in whole:
+        if a.op != "get_attr":
+            continue
+        try:
+            t = gm.get_parameter(str(a.target))
+        except AttributeError:
+            continue
+        if t.requires_grad:
+            lookup = any(n.target is aten.embedding.default and n.args[0] is a for n in nodes)
+            total += t.numel() * t.element_size() * (2 if lookup else 1)
+    return total
 
 
 def _reenters(inside: set[fx.Node], nodes: list[fx.Node]) -> bool:

@@ -94,12 +94,18 @@ class ChunkedCall(torch.nn.Module):
 
 def choose_chunks(group: TokenGroup) -> int:
     """Chunks that bring the group's transient down to about its boundary's size: the smallest power of
-    two at least interior / boundary, at most MAX_CHUNKS and the axis length. 1 means not worth it."""
+    two at least interior / boundary, at most MAX_CHUNKS and the axis length. 1 means not worth it (also
+    where the saving is not clearly above the parameter gradients each chunk's backward makes)."""
     ratio = group.interior_bytes / max(1, group.boundary_bytes)
     k = 1
     while k < ratio and k < MAX_CHUNKS:
         k *= 2
-    return max(1, min(k, hint(group.length)))
+    k = max(1, min(k, hint(group.length)))
+    # each chunk's backward makes a gradient as large as the parameters it reads: worth it only where
+    # the chunks save clearly more than that transient
+    if group.interior_bytes * (1 - 1 / k) <= 2 * group.param_bytes:
+        return 1
+    return k
 
 
 def candidate_groups(gm: fx.GraphModule) -> list[TokenGroup]:
