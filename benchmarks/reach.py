@@ -6,7 +6,7 @@ planner/profile/memory.py) at a base shape. For each contender the sequence (bat
 infeasible; the largest shape measured within the budget is reported. Our contenders re-plan at every
 shape (capture, profile on FLOP times, solve) as a user does, and their plan's step is measured like the
 others'. Then, at per-layer's own longest sequence, every contender's step time (fastest of a few
-interleaved rounds) against no checkpointing's.
+interleaved rounds) against no checkpointing's; there our plans are made on measured times (the default).
 
 Contenders: none (no checkpointing), per-layer (HF `activation_checkpointing_enable`, every layer,
 non-reentrant), every-2 (`every_n_layers=2`), ours (exact, `optimize(..., budget)`), ours-inexact
@@ -116,8 +116,9 @@ def _inputs(name: str, batch: int, length: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _contender(name: str, model: nn.Module, kind: str, budget: int, inputs: dict) -> nn.Module:
-    """The module a contender trains at these inputs (ours plan there); InfeasibleBudgetError if none."""
+def _contender(name: str, model: nn.Module, kind: str, budget: int, inputs: dict, measured: bool = False) -> nn.Module:
+    """The module a contender trains at these inputs (ours plan there, on FLOP times unless `measured`);
+    InfeasibleBudgetError if none."""
     if kind == "none":
         return model
     if kind in ("per-layer", "every-2"):
@@ -126,7 +127,8 @@ def _contender(name: str, model: nn.Module, kind: str, budget: int, inputs: dict
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=1 if kind == "per-layer" else 2)
         return m
-    return optimize(model, dict(inputs), budget_bytes=budget, profile_config=FLOPS, exact=kind == "ours").module
+    config = None if measured else FLOPS
+    return optimize(model, dict(inputs), budget_bytes=budget, profile_config=config, exact=kind == "ours").module
 
 
 def _peak(module: nn.Module, model: nn.Module, inputs: dict) -> int:
@@ -231,10 +233,10 @@ def run_model(name: str, quick: bool, log: Callable[[str], None]) -> dict:
     modules = {}
     for kind in kinds:
         try:
-            modules[kind] = _contender(name, model, kind, budget if kind.startswith("ours") else 0, inputs)
+            modules[kind] = _contender(name, model, kind, budget if kind.startswith("ours") else 0, inputs, measured=True)
         except InfeasibleBudgetError:
             continue
-    times = _time(modules, model, inputs, rounds=3 if quick else 5)
+    times = _time(modules, model, inputs, rounds=5 if quick else 9)
     result["overhead_at"] = {("batch" if cnn else "sequence"): n}
     result["step_s"] = times
     result["overhead"] = {k: times[k] / times["none"] - 1 for k in times}
@@ -247,8 +249,9 @@ def _markdown(results: dict, meta: dict) -> str:
         "",
         f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['machine']}, {meta['mode']} mode. "
         "Budget: per-layer's measured allocator peak at the base shape (the CNN: no checkpointing's). "
-        "Our plans are made on FLOP times; every figure is a measured step. Overhead: step time against "
-        "no checkpointing's at per-layer's longest sequence (the CNN: its largest batch).",
+        "Our plans are searched on FLOP times; every figure is a measured step. Overhead: step time against "
+        "no checkpointing's at per-layer's longest sequence (the CNN: no checkpointing's largest batch), "
+        "our plans there made on measured times.",
         "",
         "| model | budget | contender | longest sequence | x per-layer | largest batch | overhead |",
         "|---|---|---|---|---|---|---|",
@@ -269,7 +272,8 @@ def _markdown(results: dict, meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="Llama shape only, longest sequence only, coarse search")
+    ap.add_argument("--quick", action="store_true",
+                    help="Llama shape only (unless --models), longest sequence only (the CNN: batch), coarse search")
     ap.add_argument("--models", default=None, help="comma-separated: llama,qwen2,gpt2,bert,cnn")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
@@ -284,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
 
-    results = {name: run_model(name, a.quick, log) for name in names}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "reach.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (out / "reach.md").write_text(_markdown(results, meta))
+    results: dict = {}
+    if (out / "reach.json").is_file():  # runs of other models in the same mode add to the file
+        old = json.loads((out / "reach.json").read_text())
+        if old.get("meta", {}).get("mode") == meta["mode"]:
+            results = old["results"]
+    for name in names:  # written after each model, so a long run keeps what it measured
+        results[name] = run_model(name, a.quick, log)
+        (out / "reach.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        (out / "reach.md").write_text(_markdown(results, meta))
     print(_markdown(results, meta))
     return 0
 

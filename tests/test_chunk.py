@@ -158,3 +158,37 @@ def test_inexact_plan_fits_below_the_exact_floor_and_verifies(tmp_path):
     module = loaded.rebuild(model, inputs)
     loss, _ = _step(module, model, inputs)
     torch.testing.assert_close(loss, _step(model, model, inputs)[0])
+
+
+FACTORY = '''
+import sys
+sys.path.insert(0, {tests!r})
+from test_chunk import TinyLM, _inputs
+import torch
+
+
+def make():
+    torch.manual_seed(0)
+    return TinyLM().train(), _inputs(256)
+'''
+
+
+@pytest.mark.slow
+def test_cli_plan_no_exact_chunks_and_verifies(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from ckpt_planner.cli.cli import main
+
+    (tmp_path / "factory.py").write_text(FACTORY.format(tests=str(Path(__file__).resolve().parent)))
+    model, inputs = _model(), _inputs(256)
+    budget = int(Planner(model, inputs, profile_config=FLOPS)._floor("auto", {}, False)[0] * 0.8)
+    out = tmp_path / "plan.json"
+    argv = ["plan", f"{tmp_path}/factory.py:make", "--budget-bytes", str(budget), "--curve-points", "0", "--quiet",
+            "--verify", "-o", str(out)]
+    assert main(argv) == 1  # exact: infeasible
+    capsys.readouterr()
+    assert main([*argv, "--no-exact"]) == 0
+    data = json.loads(out.read_text())
+    assert data["stats"]["chunks"] and data["stats"]["exact"] is False
+    assert data["stats"]["verify"]["grads_allclose"] and data["stats"]["verify"]["within_budget"]
