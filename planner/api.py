@@ -21,6 +21,7 @@ from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .distributed import check_sharding, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
+from .lower.chunk import ChunkSpec, chunk_capture
 from .lower.rewrite import rewrite, safe_regions
 from .partial import PartialPlanner
 from .plan import Plan
@@ -82,6 +83,7 @@ def optimize(
     compile: bool = False,
     lowering: str = "best",
     exact_check: bool = True,
+    exact: bool = True,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -137,8 +139,22 @@ def optimize(
     with one of the model (outputs, every gradient, buffers; bitwise on the CPU). A plan that differs
     is never returned: its kept ops, else the regions that differ, are forbidden and the budget solved
     again, and the plan's notes say so (planner/exactness.py). Not on fake tensors (nothing runs).
+    exact=False also admits plans that run token-wise work (MLPs, the LM head and its loss) in chunks of
+    tokens or samples (planner/lower/chunk.py): used only where the exact plan cannot fit the budget; the
+    gradients are then allclose to the model's (sums over chunks), not bitwise.
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
+    if not exact:
+        if compile or world_size != 1:
+            raise InputError("exact: exact=False (chunked token-wise work) is planned eagerly on one rank; "
+                             "drop compile=True / world_size or keep exact=True")
+        return _optimize_inexact(model, example_inputs, dict(
+            device=device, optimizer=optimizer, profile_config=profile_config, exact_check=exact_check,
+        ), dict(
+            budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+            solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+            on_larger_shape=on_larger_shape,
+        ), capture_method)
     if lowering != "best" and not compile:
         raise InputError(f"lowering: {lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
     if compile:
@@ -242,6 +258,7 @@ class Planner:
         world_size: int = 1,
         sharding: str | None = None,
         exact_check: bool = True,
+        exact: bool = True,
     ) -> None:
         _refuse_grad_mode()
         check_sharding(world_size, sharding)
@@ -254,6 +271,10 @@ class Planner:
         with ModelState(model).preserved():
             with stage("capture", f"{type(model).__name__}, method {capture_method}"):
                 self.capture = capture(model, example_inputs, method=capture_method)
+            self.exact = exact
+            self.chunks: list[ChunkSpec] = []
+            if not exact:  # token-wise groups run in chunks (planner/lower/chunk.py)
+                self.capture, self.chunks = chunk_capture(self.capture)
             logger.info("capture: %s, %d graph nodes", self.capture.method, len(self.capture.graph_module.graph.nodes))
             with stage("profile", "meta tensors" if config.meta else "running each node"):
                 self.cost = profile(self.capture, config)
@@ -270,7 +291,7 @@ class Planner:
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
-            world_size=world_size, sharding=sharding, exact_check=exact_check,
+            world_size=world_size, sharding=sharding, exact_check=exact_check, exact=exact,
         )
         self._check = exact_check and not config.meta and not any(
             t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())
@@ -339,13 +360,15 @@ class Planner:
         with stage("solve", f"solver {solver}, budget "
                    + (f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)")):
             solution, notes = self._solve(budget, solver, options, safety_margin, keep)
-        if self._check and solution.regions:
+        if self._check and (solution.regions or self.chunks):
             with stage("check", "one step of the plan against the model's own"):
                 solution, notes = self._exact(solution, notes, (budget, solver, options, safety_margin, keep))
         logger.info(
             "solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms",
             solution.solver, len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3,
         )
+        if not self.exact:
+            notes = notes + [f"chunked region ({c.chunks} chunks): {c.why}" for c in self.chunks]
         plan = plan_from_solution(
             self.cost,
             problem,
@@ -362,6 +385,9 @@ class Planner:
         plan.problem = problem
         if self.sharding:
             plan.stats["sharding"] = dict(self.sharding)
+        if not self.exact:
+            plan.stats["exact"] = False
+            plan.stats["chunks"] = [c.to_dict() for c in self.chunks]
         with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
             plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
@@ -420,10 +446,14 @@ class Planner:
         gm, model, cap = self.capture.graph_module, self.model, self.capture
 
         def differs(regions, saved) -> bool | None:
-            found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs)
+            found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,
+                                     bitwise=None if self.exact else False)
             return None if found is None else bool(found)
 
         names = [n.name for n in self.problem.nodes]
+        if self.chunks and differs((), ()):
+            raise InexactPlanError("exact=False: the chunked step's gradients are not allclose to the model's; "
+                                   "plan with exact=True or report the model")
         for _ in range(3):
             verdict = differs(solution.regions, solution.saved) if solution.regions else False
             if verdict is None:
@@ -549,6 +579,36 @@ class Planner:
         )
         floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget)
         return with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
+
+
+def _optimize_inexact(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],
+                      capture_method: str) -> Plan:
+    def make(exact: bool) -> Planner:
+        method = capture_method if exact else "export"  # the token-wise analysis reads aten ops
+        return Planner(model, example_inputs, capture_method=method, exact=exact, **planner_args)
+
+    return plan_inexact(make, plan_args)[0]
+
+
+def plan_inexact(make: Callable[[bool], Planner], plan_args: dict[str, Any]) -> tuple[Plan, Planner]:
+    """optimize(..., exact=False): the exact plan where it fits the budget; else the plan on the graph whose
+    token-wise groups run in chunks. `make(exact)` builds the Planner; returns the plan and its planner."""
+    planner = make(True)
+    try:
+        plan = planner.plan(**plan_args)
+    except solvers.InfeasibleBudgetError as e:
+        exact_error = e
+    else:
+        plan.stats["exact"] = False
+        plan.stats["chunks"] = []
+        plan.notes = (*plan.notes, "exact=False: the exact plan fits the budget, so no token-wise work is chunked")
+        return plan, planner
+    planner = make(False)
+    if not planner.chunks:
+        raise exact_error
+    plan = planner.plan(**plan_args)
+    plan.notes = (*plan.notes, f"exact=False: token-wise work is chunked because the exact plan does not fit ({exact_error})")
+    return plan, planner
 
 
 def optimize_compiled(model: Any, example_inputs: Any, planner_args: dict[str, Any], plan_args: dict[str, Any],

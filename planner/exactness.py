@@ -37,17 +37,19 @@ def _rtol(dtype: torch.dtype) -> float:
 
 
 def step_differences(
-    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+    bitwise: bool | None = None,
 ) -> list[str] | None:
     """What differs after one training step of `module` against one of `model` (the model's own
     parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
     the step itself where the module's raises and the model's does not. None where the model's own
     step raises: there is nothing to compare with.
+    bitwise=False judges allclose in the dtype (plans made with exact=False); None: bitwise on the CPU.
     The model is left as it was found (buffers, grads, modes, RNG)."""
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     device = next((t.device for _, t in params + buffers), torch.device("cpu"))
-    bitwise = device.type == "cpu"
+    bitwise = device.type == "cpu" if bitwise is None else bitwise
     with ModelState(model).preserved():
         model.train()
         module.train()

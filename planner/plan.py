@@ -382,6 +382,13 @@ class Plan:
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
         cap = capture(model, example_inputs, method=method)
+        if self.stats.get("chunks"):  # exact=False: the same token-wise groups run in chunks
+            from .lower.chunk import ChunkSpec, chunk_capture
+
+            try:
+                cap = chunk_capture(cap, [ChunkSpec.from_dict(c) for c in self.stats["chunks"]])[0]
+            except (ValueError, KeyError, TypeError) as e:
+                raise PlanMismatchError(f"plan chunked regions do not match this model's graph ({e})") from None
         fp = graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
         if fp != self.fingerprint:
             raise PlanMismatchError(

@@ -59,6 +59,11 @@ class Report:
     """What differs from the original: (kind, worst name, max abs difference), kind being
     'outputs', 'gradients' or 'buffers' (empty when the step is exact)."""
 
+    max_rel_grad_diff: float = 0.0
+    """Largest |difference| / max |model's gradient| over the parameters (0 when bitwise equal)."""
+    grads_allclose: bool = True
+    """Outputs and gradients allclose in their dtype (what an exact=False plan is judged on)."""
+
     measured_live_peak_bytes: int = 0
     """The plan's step, live tensor storages only (bytes)."""
     baseline_measured_live_peak_bytes: int = 0
@@ -146,6 +151,22 @@ def _equal(a: Any, b: Any) -> bool:
     return True
 
 
+def _allclose(a: Any, b: Any) -> bool:
+    """allclose in the dtype of each tensor (torch.testing's default tolerances), None where None."""
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            try:
+                torch.testing.assert_close(y, x, equal_nan=True)
+            except AssertionError:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 def verify(
     model: torch.nn.Module,
     plan: Plan,
@@ -200,7 +221,7 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
 
         base_peak, out0, grads0, bufs0 = run(model)
         peak, out1, grads1, bufs1 = run(plan.module)
-        diff = 0.0
+        diff = rel = 0.0
         grads_equal = True
         for g0, g1 in zip(grads0, grads1):
             if (g0 is None) != (g1 is None):
@@ -208,7 +229,9 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
                 continue
             if g0 is not None:
                 grads_equal &= torch.equal(g0, g1)
-                diff = max(diff, (g0.double() - g1.double()).abs().max().item() if g0.numel() else 0.0)
+                d = (g0.double() - g1.double()).abs().max().item() if g0.numel() else 0.0
+                diff = max(diff, d)
+                rel = max(rel, d / max(g0.double().abs().max().item(), 1e-30) if d else 0.0)
         ratio = _time_ratio(model, plan.module, args, kwargs, params, loss_fn, device, repeats, start)
         for p in params:
             p.grad = None
@@ -230,6 +253,10 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
         baseline_measured_live_peak_bytes=base_peak.live,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         max_abs_grad_diff=diff,
+        max_rel_grad_diff=rel,
+        grads_allclose=_allclose(out0, out1) and all(
+            _allclose(a, b) for a, b in zip(grads0, grads1)
+        ) and all(_allclose(a, b) for a, b in zip(bufs0, bufs1)),
         outputs_equal=_equal(out0, out1),
         buffers_equal=all(torch.equal(a, b) for a, b in zip(bufs0, bufs1)),
         grads_equal=grads_equal,
