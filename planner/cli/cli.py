@@ -277,7 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
                 plan = CompiledPlanner(planner, lowering=args.lowering).plan(solver=args.solver, **_budget_kwargs(args))
             else:
-                plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
+                plan = planner.plan(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")
         plan.stats.update(rep.plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
     plan.add_argument("--no-exact-check", dest="exact_check", action="store_false",
                       help="skip the safety net: the plan's step is not compared with the model's before it is returned")
+    plan.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
+                      help="time the best plans that fit for a few steps on the device and keep the fastest "
+                           "(default: on where node times are measured; at most 30 model steps)")
     plan.add_argument("--compile", action="store_true",
                       help="plan for the step under torch.compile (inductor, fullgraph): the budget is its measured "
                            "allocator peak, re-planned tighter while over it")
