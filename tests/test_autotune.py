@@ -344,3 +344,26 @@ def test_remember_keeps_the_last_rows_in_the_store(tmp_path):
     costfit.remember(store, problem, record)
     rows = TimingStore(path).get("overheads", costfit.KEY)["rows"]
     assert len(rows) == costfit.MAX_ROWS
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
+    problem = blocks_problem(layers=5)
+    base = simulate(problem, ()).peak_bytes
+    budget = int(problem.fixed_bytes + 0.6 * (base - problem.fixed_bytes))
+    solution = solve(problem, budget, "dp")
+    store = TimingStore(tmp_path / "t.json")
+
+    def measure(cands, rounds):
+        spread = (lambda k: 1.0 + k) if noisy else (lambda k: 1.0)
+        return ([m(c.predicted_peak_bytes, *[(100 + 2 * c.predicted_extra_s) * spread(k) for k in range(rounds)])
+                 for c in cands], [100.0 * spread(k) for k in range(rounds)])
+
+    result, _ = at.autotune_solution(problem, solution, budget, budget, steps=30, key="k", store=store,
+                                     measure=measure, differs=lambda r, s: False)
+    rec = result.stats["autotune"]
+    assert len(rec["candidates"]) >= 2 and rec["band"] == (at.MAX_BAND if noisy else at.MIN_BAND)
+    rows = (TimingStore(tmp_path / "t.json").get("overheads", costfit.KEY) or {}).get("rows", [])
+    assert (rows == []) == noisy
+    if not noisy:  # every row says: measured extra = 2 x predicted
+        assert all(r[2] == pytest.approx(2 * r[0] + r[1] * r[4]) for r in rows)

@@ -105,7 +105,8 @@ class Tuned:
 def steps_for(autotune: bool | int | None, clock: bool) -> int:
     """Model steps autotune may run: `autotune` True -> AUTOTUNE_STEPS, False -> 0, an int -> that many;
     None (the default) -> AUTOTUNE_STEPS when the profile's times are on the clock (`clock`: measured
-    on a real device, not FLOPs) and the environment does not turn it off, else 0."""
+    on a real device, not FLOPs), the environment does not turn it off and no process group of several
+    ranks is running, else 0."""
     if isinstance(autotune, bool):
         return AUTOTUNE_STEPS if autotune else 0
     if isinstance(autotune, int):
@@ -115,7 +116,11 @@ def steps_for(autotune: bool | int | None, clock: bool) -> int:
     if autotune is not None:
         raise InputError(f"autotune: {autotune!r}; pass True, False or a step count")
     off = os.environ.get(AUTOTUNE_ENV, "").strip().lower() in {"off", "0", "no", "false"}
-    return AUTOTUNE_STEPS if clock and not off else 0
+    # Ranks that measured apart could choose apart, and a plan that differs between ranks can deadlock
+    # collectives (FSDP): off by default under a process group of several ranks.
+    dist = torch.distributed
+    ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return AUTOTUNE_STEPS if clock and not off and not ranks else 0
 
 
 # fn(candidates, rounds) -> (one Measured per candidate, the plain graph's step times)
@@ -404,6 +409,6 @@ def autotune_solution(
         store.keep("plans", key, {"regions": [list(r) for r in result.regions], "saved": list(result.saved),
                                   "record": record})
         store.save()
-        if learn:
+        if learn and record.get("band", MAX_BAND) < MAX_BAND:  # rounds too noisy to tell plans apart teach nothing
             remember(store, problem, record)
     return result, notes
