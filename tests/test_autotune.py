@@ -111,7 +111,7 @@ def test_a_prediction_inside_the_margin_takes_part_its_measurement_decides():
     inner = budget - 40  # the solvers plan for less: every_2 sits inside the margin
     solver = at._candidate(problem, "solver", solve(problem, inner, "dp").regions, (), None)
     picked = at.candidates(problem, solver, budget, inner, limit=100)
-    admit = budget + (budget - inner)
+    admit = budget
     expected = {(p.regions, p.saved) for p in structured_plans(problem, inner)
                 if simulate(problem, p.regions, saved=p.saved).peak_bytes <= admit} - {(solver.regions, solver.saved)}
     assert picked[0] == solver

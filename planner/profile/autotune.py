@@ -145,10 +145,10 @@ def candidates(
 ) -> list[Candidate]:
     """The plans to measure: `chosen` (the solver's) first, then the best plain hand-written plan, the
     best runner-up, and the rest by predicted time, `limit` in all. A plan takes part when its predicted
-    peak is within the budget's safety margin either side (`budget + (budget - inner)`): its measured
-    peak decides. `runners_up`: (label, regions, saved) of other solvers; `finish` moves regions off
-    in-place writes as every plan's are."""
-    admit = budget + max(0, budget - inner)
+    peak is within the budget, inside the safety margin (above `inner`) too: its measured peak decides.
+    (Not above the budget: `Plan.apply` refuses a plan predicted over its budget.) `runners_up`: (label,
+    regions, saved) of other solvers; `finish` moves regions off in-place writes as every plan's are."""
+    admit = budget
     pool: list[Candidate] = []
     seen = {(chosen.regions, chosen.saved)}
     plans = [(p.name, p.regions, p.saved) for p in structured_plans(problem, inner)] + list(runners_up)
