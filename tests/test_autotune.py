@@ -367,3 +367,13 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
     assert (rows == []) == noisy
     if not noisy:  # every row says: measured extra = 2 x predicted
         assert all(r[2] == pytest.approx(2 * r[0] + r[1] * r[4]) for r in rows)
+
+
+def test_cli_autotune_flags():
+    from ckpt_planner.cli.cli_args import build_parser
+
+    base = ["plan", "m.py:f", "--input", "2x3", "--budget-gb", "1"]
+    parser = build_parser()
+    assert parser.parse_args(base).autotune is None  # the library's default decides
+    assert parser.parse_args([*base, "--autotune"]).autotune is True
+    assert parser.parse_args([*base, "--no-autotune"]).autotune is False
