@@ -25,6 +25,8 @@ from .lower.chunk import ChunkSpec, chunk_capture
 from .lower.rewrite import rewrite, safe_regions
 from .partial import PartialPlanner
 from .plan import Plan
+from .profile.autotune import autotune_solution, device_measure, steps_for
+from .profile.costfit import learned
 from .profile.profile import ProfileConfig, profile
 from .profile.timing import with_step_times
 from .profile.timing_store import open_store
@@ -84,6 +86,7 @@ def optimize(
     lowering: str = "best",
     exact_check: bool = True,
     exact: bool = True,
+    autotune: bool | int | None = None,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -142,6 +145,11 @@ def optimize(
     exact=False also admits plans that run token-wise work (MLPs, the LM head and its loss) in chunks of
     tokens or samples (planner/lower/chunk.py): used only where the exact plan cannot fit the budget; the
     gradients are then allclose to the model's (sums over chunks), not bitwise.
+    autotune (default: on when the profile's times are measured on the device, off on FLOP times, on
+    fake tensors and under compile=True): the solver's plan, its runners-up and the hand-written plans
+    that fit run a few interleaved steps each; the fastest measured within the budget is returned, and
+    kept in the timing store for the next run (planner/profile/autotune.py). True, False, or a cap on
+    the model steps it runs (default 30); the plan's stats["autotune"] and summary show every figure.
     """
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     if not exact:
@@ -153,7 +161,7 @@ def optimize(
         ), dict(
             budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
             solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
-            on_larger_shape=on_larger_shape,
+            on_larger_shape=on_larger_shape, autotune=autotune,
         ), capture_method)
     if lowering != "best" and not compile:
         raise InputError(f"lowering: {lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
@@ -217,6 +225,7 @@ def optimize(
         safety_margin=safety_margin,
         own_checkpointing=own_checkpointing,
         on_larger_shape=on_larger_shape,
+        autotune=autotune,
     )
 
 
@@ -293,13 +302,20 @@ class Planner:
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
             world_size=world_size, sharding=sharding, exact_check=exact_check, exact=exact,
         )
-        self._check = exact_check and not config.meta and not any(
+        self._real = not config.meta and not any(
             t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())
         )
+        self._check = exact_check and self._real
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
         self.problem, self.dist_notes = shard_problem(problem, model, world_size=world_size, sharding=sharding)
+        if self.cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (costfit.py)
+            self.problem, fit = learned(self.problem, open_store(self.cost.device, config.timing_store))
+            if fit is not None:
+                self.dist_notes = [*self.dist_notes, (
+                    f"times refit on this device from {fit.rows} measured plans: node times x{fit.scale:.2f}, "
+                    f"{fit.per_region_s * 1e6:.0f} us per region")]
         nodes = self.cost.nodes
         spans, self.own_unplaced = own_spans(
             self.capture.own_checkpoints,
@@ -310,6 +326,8 @@ class Planner:
         self.own_regions = laminar(self.problem, spans)
         """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
         self._floors: dict[tuple, tuple[int, tuple[tuple[int, int], ...]]] = {}
+        self.autotune: bool | int | None = None
+        """`plan(autotune=None)` takes this (None: on where times are on the clock); compiled plans set False."""
         self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
         """What a loaded plan needs to re-simulate its figures (Plan.check_figures)."""
 
@@ -334,6 +352,7 @@ class Planner:
         safety_margin: float = 0.02,
         on_larger_shape: str = "error",
         own_checkpointing: str = "replace",
+        autotune: bool | int | None = None,
     ) -> Plan:
         """Solve for one budget and build the checkpointed module (see `optimize()` for the arguments)."""
         if on_larger_shape not in ON_LARGER_SHAPE:
@@ -347,6 +366,7 @@ class Planner:
         if not 0 <= safety_margin < 1:
             raise InputError(f"safety_margin: {safety_margin} must be in [0, 1)")
         solvers.get_solver(solver)
+        steps = steps_for(self.autotune if autotune is None else autotune, self.cost.time_source == "fitted")
         problem, cap, model = self.problem, self.capture, self.model
         options = dict(solver_options or {})
         given = self.baseline_peak_bytes
@@ -363,6 +383,10 @@ class Planner:
         if self._check and (solution.regions or self.chunks):
             with stage("check", "one step of the plan against the model's own"):
                 solution, notes = self._exact(solution, notes, (budget, solver, options, safety_margin, keep))
+        if steps and budget is not None and solution.regions and not keep and self._real:
+            with stage("autotune", f"the best plans that fit, timed on the device, at most {steps} steps"):
+                solution, tuned = self._autotune(solution, budget, solver, options, safety_margin, steps)
+            notes = notes + tuned
         logger.info(
             "solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms",
             solution.solver, len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3,
@@ -490,6 +514,29 @@ class Planner:
                 "run the model without checkpointing or report the model"
             )
         return solution, notes
+
+    def _autotune(self, solution: Solution, budget: int, solver: str, options: dict[str, Any], margin: float,
+                  steps: int) -> tuple[Solution, list[str]]:
+        """Measured choice among the plans that fit (planner/profile/autotune.py), kept in the timing store."""
+        gm, model, cap = self.capture.graph_module, self.model, self.capture
+        inner = inner_budget(budget, self.problem.fixed_bytes, margin)
+        config = self._settings["profile_config"] or ProfileConfig()
+        store = open_store(self.cost.device, config.timing_store)
+
+        def differs(regions, saved) -> bool | None:
+            if not self._check:
+                return False
+            found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs)
+            return None if found is None else bool(found)
+
+        measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(self.cost.device),
+                                 lambda r, s: rewrite(gm, r, model=model, saved=s))
+        with ModelState(model).preserved():
+            return autotune_solution(
+                self.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=store,
+                key=plan_key(self.problem, inner, solver, options, False) + "|autotune",
+                finish=lambda r: self._finish(r, False)[0], learn=self.cost.time_source == "fitted",
+            )
 
     # -- solving, with every plan re-simulated after its last change ----------------------------
     def _finish(self, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...], list[str]]:

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from .errors import InputError, PlanFileError, PlanMismatchError
 from .plan_schema import check_plan, read_plan_file
+from .profile.autotune import summary_rows
 
 __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
 
@@ -205,6 +206,7 @@ class Plan:
                     f"captured graph {self.graph_overhead_s * 1e3:.1f} ms)",
                 )
             )
+        rows += summary_rows(self.stats)  # autotune's candidates, predicted and measured
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]

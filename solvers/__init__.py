@@ -4,7 +4,7 @@
     solution = solve(problem, budget_bytes=2**30, solver="uniform")
 """
 
-from . import auto, basic, bruteforce, dp, greedy, ilp, selective  # noqa: F401  (register the solvers)
+from . import auto, basic, bruteforce, dp, greedy, ilp, selective, structured  # noqa: F401  (register the solvers)
 from .problem import Node, Problem, ProblemError, Solution, Storage
 from .registry import SOLVERS, InfeasibleBudgetError, UnknownSolverError, get_solver, register, solve
 from .simulate import SimResult, simulate

@@ -1,6 +1,7 @@
 """`auto`: run the solvers that are fast for the graph's size and keep the best verified plan.
 
-Small graphs: dp, ilp, greedy, uniform and the `selective` baseline policy.
+Small graphs: dp, ilp, greedy, uniform, the `selective` baseline policy and the hand-written plans
+(`structured`: every n-th block, per-block selective).
 Medium: the same with ilp coarsened and time-limited. Large: no ilp. dp and
 ilp also try saved ops inside their regions. Every plan is simulated; the
 least predicted recompute time (checkpoint-call and policy costs included,
@@ -41,7 +42,7 @@ def auto_portfolio(problem: Problem) -> list[str]:
     names = ["uniform", "greedy", "selective", "dp"]
     if problem.n <= ILP_NODES:
         names.append("ilp")
-    return names
+    return [*names, "structured"]  # last: the hand-written plans win only where they beat the solvers
 
 
 @register("auto")

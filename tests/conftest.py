@@ -38,6 +38,16 @@ def timing_store_of_the_session(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def autotune_off_by_default():
+    """Autotune (planner/profile/autotune.py) times a plan's candidates for up to 30 steps wherever node
+    times are measured; tests that profile on the clock would pay that and plan by the machine's load.
+    Its default is off here; its own tests pass autotune=True."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CKPT_PLANNER_AUTOTUNE", "off")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def grad_mode_left_as_found():
     """A test that leaves autograd disabled (an error inside a no_grad region) would fail every test after

@@ -142,7 +142,8 @@ def bench(
     budget_bytes = None
     for name in solver_names:
         try:
-            plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, **budget)
+            # each solver's own plan, not the measured choice among them (autotune)
+            plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, autotune=False, **budget)
         except solvers.InfeasibleBudgetError as e:
             rows.append({"solver": name, "status": "infeasible", "error": str(e)})
             budget_bytes = e.budget_bytes

@@ -257,7 +257,7 @@ def _plan_inexact(args: argparse.Namespace, loaded, inputs, exact_planner):
         return Planner(loaded.model, inputs, optimizer=args.optimizer, capture_method="export", exact=False,
                        exact_check=getattr(args, "exact_check", True))
 
-    return plan_inexact(make, dict(solver=args.solver, **_budget_kwargs(args)))
+    return plan_inexact(make, dict(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args)))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -288,7 +288,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             elif not getattr(args, "exact", True):
                 plan, planner = _plan_inexact(args, loaded, inputs, planner)
             else:
-                plan = planner.plan(solver=args.solver, **_budget_kwargs(args))
+                plan = planner.plan(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
         bar.set_description_str("timeline and memory/overhead curves")
         plan.stats.update(rep.plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}

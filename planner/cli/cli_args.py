@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-exact", dest="exact", action="store_false",
                       help="also admit plans that run token-wise work (MLPs, the LM head and loss) in chunks, where the "
                            "exact plan cannot fit: gradients allclose to the model's, not bitwise")
+    plan.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
+                      help="time the best plans that fit for a few steps on the device and keep the fastest "
+                           "(default: on where node times are measured; at most 30 model steps)")
     plan.add_argument("--compile", action="store_true",
                       help="plan for the step under torch.compile (inductor, fullgraph): the budget is its measured "
                            "allocator peak, re-planned tighter while over it")

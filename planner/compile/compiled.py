@@ -135,6 +135,7 @@ class CompiledPlanner:
         if lowering == "knapsack" and {"backend", "mode"} & set(compile_options or {}):
             raise InputError("lowering 'knapsack' compiles with inductor and our solver: drop compile_options "
                              "backend/mode, or use lowering='regions'")
+        planner.autotune = False  # compiled plans are measured and re-planned here, their own way
         cap = planner.capture
         if getattr(planner.cost, "meta", False) or any(
             t.is_meta for t in pytree.tree_leaves((cap.args, cap.kwargs)) if isinstance(t, torch.Tensor)

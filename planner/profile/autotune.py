@@ -1,0 +1,414 @@
+"""Measured choice: the few best plans that fit a budget, each timed on the device; the clock decides.
+
+The simulator's step time is a prediction. On shapes it has not seen it can be off by 2x for plans of
+many small regions (a held-out Llama: 13 one-op regions predicted +9.9 % of a step, measured +20 %,
+against +16 % for transformers' every third layer). So after the solve, the solver's plan, its
+runners-up and the plans people write by hand (solvers/structured.py) that fit the budget each run a
+few interleaved training steps:
+
+* one step per candidate on the allocator meter (`memory.py`) gives its measured peak; then rounds of
+  one timed step each, every candidate and the plain captured graph in turn (the order rotating per
+  round), give its fastest step (load only adds time; the median is recorded beside it);
+* the fastest measured candidate whose measured peak is within the budget wins; the safety margin is
+  for predictions, so a candidate whose prediction sat inside the margin fits when its measurement
+  does. Candidates within the noise band of the fastest (the rounds' own spread, 2-10 %) are ties,
+  and ties go to the predicted-fastest, so two runs agree;
+* the whole costs at most `steps` model steps (default AUTOTUNE_STEPS = 30).
+
+`tune` returns the choice and a JSON record of every candidate's predicted and measured figures (the
+plan keeps it in `stats["autotune"]`; `summary_rows` shows it). The caller stores the choice in the
+timing store, so the same model and budget give the same plan on the next run without measuring.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import solvers
+from ..errors import InputError
+from ..solvers import Problem, Solution, simulate
+from ..solvers.problem import ProblemError
+from ..solvers.simulate import normalize_regions, normalize_saved
+from ..solvers.structured import structured_plans
+from .costfit import remember
+from .loss import default_loss
+from .memory import AllocatorMeter, LiveMemory
+from .timing_store import TimingStore
+
+__all__ = [
+    "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
+    "tune", "device_measure", "summary_rows", "stored_choice", "RUNNERS_UP", "autotune_solution",
+    "steps_for", "AUTOTUNE_ENV",
+]
+
+AUTOTUNE_STEPS = 30
+"""Model steps autotune may run in all, by default (measurement and the winner's exactness check)."""
+MAX_CANDIDATES = 4
+"""Plans measured at most (the solver's plan among them)."""
+MIN_BAND, MAX_BAND = 0.02, 0.10
+"""The noise band (a fraction of a step) is the rounds' own spread, held between these."""
+CHECK_STEPS = 2
+"""Steps kept back from the cap for the winner's exactness check (one of the plan, one of the model)."""
+AUTOTUNE_ENV = "CKPT_PLANNER_AUTOTUNE"
+"""Set to off/0/no/false to make autotune's default off (an explicit `autotune=` still decides)."""
+RUNNERS_UP = ("dp", "greedy", "uniform")
+"""Solvers whose plans stand beside the solver's own (cheap to run once more)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan in the race, with what the simulator predicts for it."""
+
+    label: str
+    regions: tuple[tuple[int, int], ...]
+    saved: tuple[int, ...]
+    predicted_peak_bytes: int
+    predicted_extra_s: float
+    """Predicted seconds per step over the plain captured graph (recompute, calls, hooks, policy)."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the device measured for one candidate."""
+
+    peak_bytes: int
+    """The allocator's peak of one step (bytes, resident state included): what the budget is judged on."""
+    times: tuple[float, ...]
+    """Seconds of each timed step."""
+
+    @property
+    def step_s(self) -> float:
+        """The fastest timed step: load on the machine only ever adds time (the calibration's rule)."""
+        return min(self.times)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The choice: the winning candidate's index (None: none fit on the clock) and the JSON record."""
+
+    index: int | None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def steps_for(autotune: bool | int | None, clock: bool) -> int:
+    """Model steps autotune may run: `autotune` True -> AUTOTUNE_STEPS, False -> 0, an int -> that many;
+    None (the default) -> AUTOTUNE_STEPS when the profile's times are on the clock (`clock`: measured
+    on a real device, not FLOPs), the environment does not turn it off and no process group of several
+    ranks is running, else 0."""
+    if isinstance(autotune, bool):
+        return AUTOTUNE_STEPS if autotune else 0
+    if isinstance(autotune, int):
+        if autotune < 0:
+            raise InputError(f"autotune: {autotune} steps; pass True, False or a step count >= 0")
+        return autotune
+    if autotune is not None:
+        raise InputError(f"autotune: {autotune!r}; pass True, False or a step count")
+    off = os.environ.get(AUTOTUNE_ENV, "").strip().lower() in {"off", "0", "no", "false"}
+    # Ranks that measured apart could choose apart, and a plan that differs between ranks can deadlock
+    # collectives (FSDP): off by default under a process group of several ranks.
+    dist = torch.distributed
+    ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return AUTOTUNE_STEPS if clock and not off and not ranks else 0
+
+
+# fn(candidates, rounds) -> (one Measured per candidate, the plain graph's step times)
+Measure = Callable[[Sequence[Candidate], int], tuple[list[Measured], list[float]]]
+
+
+def _candidate(problem: Problem, label: str, regions, saved, finish) -> Candidate | None:
+    try:
+        regions = normalize_regions(problem, finish(tuple(regions)) if finish else regions)
+        saved = normalize_saved(problem, regions, tuple(i for i in saved if any(s <= i <= e for s, e in regions)))
+    except ProblemError:
+        return None
+    if not regions:
+        return None
+    sim = simulate(problem, regions, saved=saved)
+    return Candidate(label, tuple(regions), tuple(saved), sim.peak_bytes, sim.recompute_time)
+
+
+def candidates(
+    problem: Problem, chosen: Candidate, budget: int, inner: int, runners_up: Sequence[tuple[str, Any, Any]] = (),
+    *, limit: int = MAX_CANDIDATES, finish: Callable[[tuple], tuple] | None = None,
+) -> list[Candidate]:
+    """The plans to measure: `chosen` (the solver's) first, then the best plain hand-written plan, the
+    best runner-up, and the rest by predicted time, `limit` in all. A plan takes part when its predicted
+    peak is within the budget, inside the safety margin (above `inner`) too: its measured peak decides.
+    (Not above the budget: `Plan.apply` refuses a plan predicted over its budget.) `runners_up`: (label,
+    regions, saved) of other solvers; `finish` moves regions off in-place writes as every plan's are."""
+    admit = budget
+    pool: list[Candidate] = []
+    seen = {(chosen.regions, chosen.saved)}
+    plans = [(p.name, p.regions, p.saved) for p in structured_plans(problem, inner)] + list(runners_up)
+    for label, regions, saved in plans:
+        c = _candidate(problem, label, regions, saved, finish)
+        if c is None or c.predicted_peak_bytes > admit or (c.regions, c.saved) in seen:
+            continue
+        seen.add((c.regions, c.saved))
+        pool.append(c)
+    pool.sort(key=lambda c: (c.predicted_extra_s, c.predicted_peak_bytes, c.label))
+    picked = [chosen]
+    firsts = [
+        next((c for c in pool if _hand_written(c.label) and "+kept" not in c.label), None),
+        next((c for c in pool if not _hand_written(c.label)), None),  # a runner-up solver's plan
+    ]
+    for c in [*firsts, *pool]:
+        if c is not None and c not in picked and len(picked) < limit:
+            picked.append(c)
+    return picked
+
+
+def _hand_written(label: str) -> bool:
+    return label.startswith(("every_", "per_block"))
+
+
+def schedule(n_candidates: int, steps: int) -> tuple[int, int]:
+    """(candidates, timed rounds) within `steps` model steps: each candidate one peak step and a step per
+    round, the plain graph a warm-up step and one per round, CHECK_STEPS kept for the winner's check.
+    Fewer candidates before fewer than three rounds; (0, 0) when not even two candidates fit."""
+    room = steps - CHECK_STEPS
+    n = n_candidates
+    while n >= 2:
+        rounds = room // (n + 1) - 1
+        if rounds >= 3 or (n == 2 and rounds >= 1):
+            return n, rounds
+        n -= 1
+    return 0, 0
+
+
+def noise_band(measured: Sequence[Measured], base: Sequence[float]) -> float:
+    """The rounds' own spread: the median over the timed modules of (upper quartile - lower) / median."""
+    spreads = []
+    for times in [m.times for m in measured] + [tuple(base)]:
+        if len(times) >= 2:
+            q = statistics.quantiles(times, n=4, method="inclusive")
+            spreads.append((q[2] - q[0]) / max(1e-12, statistics.median(times)))
+    band = statistics.median(spreads) if spreads else MAX_BAND
+    return min(MAX_BAND, max(MIN_BAND, band))
+
+
+def choose(cands: Sequence[Candidate], measured: Sequence[Measured], budget: int, band: float) -> int | None:
+    """Index of the winner: among candidates whose measured peak is within `budget`, those within `band`
+    of the fastest step are ties, won by the least predicted time (then the earlier listed)."""
+    fits = [k for k, m in enumerate(measured) if m.peak_bytes <= budget]
+    if not fits:
+        return None
+    fastest = min(measured[k].step_s for k in fits)
+    ties = [k for k in fits if measured[k].step_s <= fastest * (1 + band)]
+    return min(ties, key=lambda k: (cands[k].predicted_extra_s, k))
+
+
+def tune(cands: Sequence[Candidate], budget: int, measure: Measure, steps: int = AUTOTUNE_STEPS) -> Tuned:
+    """Measure `cands` (the solver's plan first) within `steps` model steps and choose (see the module
+    docstring). Returns Tuned(None, record) when fewer than two candidates can be measured or none fits."""
+    n, rounds = schedule(len(cands), steps)
+    if n < 2:
+        why = "one candidate" if len(cands) < 2 else f"a cap of {steps} steps leaves no room for two candidates"
+        return Tuned(None, {"skipped": why, "steps": 0})
+    cands = list(cands[:n])
+    t0 = time.perf_counter()
+    measured, base = measure(cands, rounds)
+    band = noise_band(measured, base)
+    winner = choose(cands, measured, budget, band)
+    base_s = min(base) if base else 0.0
+    record = {
+        "steps": (n + 1) * (rounds + 1),
+        "rounds": rounds,
+        "band": band,
+        "seconds": time.perf_counter() - t0,
+        "budget_bytes": budget,
+        "graph_step_s": base_s,
+        "chosen": cands[winner].label if winner is not None else None,
+        "candidates": [_entry(c, m, base_s, budget, k == winner) for k, (c, m) in enumerate(zip(cands, measured))],
+    }
+    return Tuned(winner, record)
+
+
+def _entry(c: Candidate, m: Measured, base_s: float, budget: int, chosen: bool) -> dict[str, Any]:
+    return {
+        "label": c.label,
+        "regions": [list(r) for r in c.regions],
+        "saved": list(c.saved),
+        "predicted_peak_bytes": c.predicted_peak_bytes,
+        "predicted_extra_s": c.predicted_extra_s,
+        "measured_peak_bytes": m.peak_bytes,
+        "measured_step_s": m.step_s,
+        "measured_median_s": m.median_s,
+        "measured_extra_s": m.step_s - base_s if base_s > 0 else None,
+        "fits": m.peak_bytes <= budget,
+        "chosen": chosen,
+    }
+
+
+def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tuple, dict[str, Any]] | None:
+    """(regions, saved, record) of a choice an earlier run stored, when it is a plan of `problem` that
+    measured within `budget`; else None (measured afresh)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
+        return None
+    try:
+        regions = normalize_regions(problem, [(int(s), int(e)) for s, e in entry["regions"]])
+        saved = normalize_saved(problem, regions, [int(i) for i in entry["saved"]])
+    except (ProblemError, KeyError, TypeError, ValueError):
+        return None
+    record = entry["record"]
+    if record.get("budget_bytes") != budget or not regions:
+        return None
+    return regions, saved, record
+
+
+def device_measure(
+    model: torch.nn.Module, graph: torch.fx.GraphModule, args: tuple, kwargs: dict, device: torch.device,
+    build: Callable[[tuple, tuple], torch.nn.Module],
+) -> Measure:
+    """The measurement on the device: `build(regions, saved)` gives a candidate's module (the rewriter);
+    its peak is one step on the allocator meter, its times those of interleaved timed steps. The
+    caller restores the model's state (gradients, buffers, RNG)."""
+    params = list(model.parameters())
+    state = params + list(model.buffers())
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def step(module: torch.nn.Module) -> None:
+        for p in params:
+            p.grad = None
+        default_loss(module(*args, **kwargs)).backward()
+
+    def peak(module: torch.nn.Module) -> int:
+        for p in params:
+            p.grad = None
+        mem = LiveMemory()
+        mem.track(state, inputs)
+        resident = mem.current  # bytes
+        with AllocatorMeter(device) as meter, mem:
+            out = module(*args, **kwargs)  # held through the backward, as the planner assumes
+            default_loss(out).backward()
+        return int(resident + meter.peak if meter.available else mem.peak)
+
+    def timed(module: torch.nn.Module) -> float:
+        sync()
+        t0 = time.perf_counter()
+        step(module)
+        sync()
+        return time.perf_counter() - t0
+
+    def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
+        modules = [build(c.regions, c.saved) for c in cands]
+        plain = build((), ())
+        peaks = [peak(m) for m in modules]
+        step(plain)  # warm-up
+        times: list[list[float]] = [[] for _ in modules]
+        base: list[float] = []
+        everyone = [plain, *modules]
+        for r in range(rounds):
+            for k in [(r + j) % len(everyone) for j in range(len(everyone))]:  # the order rotates per round
+                t = timed(everyone[k])
+                (base if k == 0 else times[k - 1]).append(t)
+        for p in params:
+            p.grad = None
+        return [Measured(p, tuple(t)) for p, t in zip(peaks, times)], base
+
+    return measure
+
+
+def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows for Plan.summary() from `stats["autotune"]`: the choice, the cost, each candidate's figures."""
+    rec = stats.get("autotune")
+    if not isinstance(rec, dict):
+        return []
+    if rec.get("skipped"):
+        return [("autotune", f"not run: {rec['skipped']}")]
+    how = "kept from an earlier run (timing store)" if rec.get("from_store") else (
+        f"{rec.get('steps', 0)} model steps, {rec.get('rounds', 0)} rounds, noise band {100 * rec.get('band', 0):.0f} %")
+    rows = [("autotune", f"chose {rec.get('chosen') or 'the solver plan (none fit on the clock)'}; {how}")]
+    base = rec.get("graph_step_s") or 0.0
+    for c in rec.get("candidates", []):
+        if not isinstance(c, dict):
+            continue
+        pred = c.get("predicted_extra_s", 0.0)
+        meas = c.get("measured_extra_s")
+        pct = (lambda s: f"{100 * s / base:+.1f} %") if base > 0 else (lambda s: f"{s * 1e3:+.1f} ms")
+        rows.append((
+            f"  {'*' if c.get('chosen') else ' '} {c.get('label')}",
+            f"predicted {pct(pred)}, {c.get('predicted_peak_bytes', 0) / 1e6:.1f} MB; measured "
+            + (f"{pct(meas)}, " if meas is not None else "")
+            + f"{c.get('measured_peak_bytes', 0) / 1e6:.1f} MB" + ("" if c.get("fits") else " (over the budget)"),
+        ))
+    return rows
+
+
+def _as(problem: Problem, solution: Solution, regions, saved, stats: dict[str, Any]) -> Solution:
+    sim = simulate(problem, regions, saved=saved)
+    return Solution(
+        regions=tuple(regions), solver=solution.solver, peak_bytes=sim.peak_bytes, recompute_time=sim.recompute_time,
+        budget_bytes=solution.budget_bytes, solve_time=solution.solve_time, stats={**solution.stats, **stats},
+        saved=tuple(saved),
+    )
+
+
+def autotune_solution(
+    problem: Problem, solution: Solution, budget: int, inner: int, *, steps: int, key: str, store: TimingStore,
+    measure: Measure, differs: Callable[[tuple, tuple], bool | None], finish: Callable[[tuple], tuple] | None = None,
+    learn: bool = True,
+) -> tuple[Solution, list[str]]:
+    """The plan to return after the solve (and its safety-net check): the choice stored under `key` by an
+    earlier run where it is still a plan of this graph for this budget, else the measured choice among
+    the candidates, which is then stored (and its rows given to the cost model's refit when `learn`).
+    A winner other than `solution` passes the safety net's check (`differs`) or `solution` stands.
+    Returns (plan, notes); the plan's stats carry the record under "autotune"."""
+    notes: list[str] = []
+    stored = stored_choice(problem, store.get("plans", key), budget)
+    if stored is not None:
+        regions, saved, record = stored
+        same = (regions, saved) == (tuple(solution.regions), tuple(solution.saved))
+        if same or differs(regions, saved) is False:
+            return _as(problem, solution, regions, saved, {"autotune": {**record, "from_store": True}}), notes
+    chosen = _candidate(problem, f"{solution.solver} plan", solution.regions, solution.saved, None)
+    if chosen is None:
+        return solution, notes
+    runners = []
+    for name in RUNNERS_UP:
+        if name in (solution.solver, solution.stats.get("chosen")):
+            continue
+        try:
+            found = solvers.solve(problem, inner, name)
+        except (solvers.InfeasibleBudgetError, ProblemError, RuntimeError):
+            continue
+        runners.append((name, found.regions, found.saved))
+    cands = candidates(problem, chosen, budget, inner, runners, finish=finish)
+    tuned = tune(cands, budget, measure, steps)
+    record = {**tuned.record, "from_store": False}
+    result = solution
+    if tuned.index:  # a plan other than the solver's won: it passes the safety net or the solver's stands
+        win = cands[tuned.index]
+        verdict = differs(win.regions, win.saved)
+        record["steps"] = record.get("steps", 0) + CHECK_STEPS
+        if verdict is False:
+            result = _as(problem, solution, win.regions, win.saved, {})
+        else:
+            notes.append(f"autotune: {win.label} measured fastest but its step differs from the model's (or "
+                         "could not be compared): the solver's plan stands")
+            record["chosen"] = cands[0].label
+            for c in record.get("candidates", []):
+                c["chosen"] = c["label"] == cands[0].label
+    elif tuned.index is None and record.get("candidates"):
+        notes.append("autotune: no candidate measured within the budget; the solver's plan stands")
+    result = _as(problem, result, result.regions, result.saved, {"autotune": record})
+    if record.get("candidates"):
+        store.keep("plans", key, {"regions": [list(r) for r in result.regions], "saved": list(result.saved),
+                                  "record": record})
+        store.save()
+        if learn and record.get("band", MAX_BAND) < MAX_BAND:  # rounds too noisy to tell plans apart teach nothing
+            remember(store, problem, record)
+    return result, notes
