@@ -18,7 +18,7 @@ from .capture.exported import accept_exported
 from .capture.own_checkpoint import own_spans
 from .capture.preflight import nothing_to_plan
 from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
-from .distributed import check_sharding, shard_problem
+from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
 from .lower.rewrite import rewrite, safe_regions
@@ -121,6 +121,8 @@ def optimize(
     Called under torch.no_grad() or torch.inference_mode(), or on an eval-mode
     export, it raises UnplannableError: there is no training step to plan.
     The model is left as it was found.
+    Under torch.distributed (initialized, more than one rank) planning is collective: rank 0 plans and
+    broadcasts, every rank checks the plan against its own model and runs the same one (distributed.py).
     The example inputs are the largest shape: plan.module runs any smaller batch or sequence
     length with the same plan; a larger one raises ShapeError, or with on_larger_shape='replan'
     is planned again at its shape (same budget and settings, cached per shape).
@@ -138,6 +140,9 @@ def optimize(
     is never returned: its kept ops, else the regions that differ, are forbidden and the budget solved
     again, and the plan's notes say so (planner/exactness.py). Not on fake tensors (nothing runs).
     """
+    call = dict(locals())  # the arguments, for the collective call below
+    if planning_is_collective():  # torch.distributed: rank 0 plans, every rank runs its plan (distributed.py)
+        return plan_collectively(lambda: optimize(**call), Plan.from_dict, model, example_inputs, on_larger_shape)
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     if lowering != "best" and not compile:
         raise InputError(f"lowering: {lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
