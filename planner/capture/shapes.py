@@ -153,6 +153,8 @@ class ShapeGuard:
         """False: the graph takes only the planned shape; any other is planned again."""
         self.replanned: dict[InputShapes, torch.nn.Module] = {}
         """Checkpointed modules planned for other shapes, by shape."""
+        self.values: Any = None
+        """frozen.ValueGuard: the Python values the graph holds as constants, checked before each call."""
 
     def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """The call as the graph takes it: by keyword when the capture was made that way."""
@@ -165,6 +167,8 @@ class ShapeGuard:
 
     def module_for(self, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module | None:
         """None to run the planned module; else the module planned for this call's shape."""
+        if self.values is not None:
+            self.values.check()
         shapes = input_shapes(args, kwargs)
         if shapes in self.replanned:
             return self.replanned[shapes]
