@@ -15,10 +15,11 @@ from .budget import check_budget_args as _check_budget_args
 from .budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
 from .capture.capture import capture
 from .capture.exported import accept_exported
+from .capture.frozen import ValueGuard, frozen_values, stale_note
 from .capture.own_checkpoint import own_spans
 from .capture.preflight import nothing_to_plan
 from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
-from .distributed import check_sharding, shard_problem
+from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
 from .lower.chunk import ChunkSpec, chunk_capture
@@ -125,7 +126,12 @@ def optimize(
     keeps its checkpoint regions and adds regions where the budget needs them.
     Called under torch.no_grad() or torch.inference_mode(), or on an eval-mode
     export, it raises UnplannableError: there is no training step to plan.
+    A module in eval mode is planned for its training step (train mode), with a note; plan.module
+    checks before each training call that the Python values the graph holds as constants (scalar
+    globals and attributes the forward reads; capture/frozen.py) are unchanged, else StaleGraphError.
     The model is left as it was found.
+    Under torch.distributed (initialized, more than one rank) planning is collective: rank 0 plans and
+    broadcasts, every rank checks the plan against its own model and runs the same one (distributed.py).
     The example inputs are the largest shape: plan.module runs any smaller batch or sequence
     length with the same plan; a larger one raises ShapeError, or with on_larger_shape='replan'
     is planned again at its shape (same budget and settings, cached per shape).
@@ -151,6 +157,9 @@ def optimize(
     kept in the timing store for the next run (planner/profile/autotune.py). True, False, or a cap on
     the model steps it runs (default 30); the plan's stats["autotune"] and summary show every figure.
     """
+    call = dict(locals())  # the arguments, for the collective call below
+    if planning_is_collective():  # torch.distributed: rank 0 plans, every rank runs its plan (distributed.py)
+        return plan_collectively(lambda: optimize(**call), Plan.from_dict, model, example_inputs, on_larger_shape)
     _check_budget_args(budget_gb, budget_bytes, activation_budget)
     if not exact:
         if compile or world_size != 1:
@@ -230,6 +239,10 @@ def optimize(
 
 
 OWN_CHECKPOINTING = ("replace", "keep")
+EVAL_NOTE = (
+    "the model was in eval mode: planned for its training step (train mode: dropout on, BatchNorm on batch "
+    "statistics), which plan.module runs in train mode; in eval mode plan.module runs the model as given"
+)
 
 
 def _refuse_grad_mode() -> None:
@@ -277,7 +290,11 @@ class Planner:
         config = profile_config or ProfileConfig()
         if device is not None and torch.device(device).type == "meta":
             config = ProfileConfig(**{**config.__dict__, "meta": True})
+        self.capture_notes: list[str] = []
         with ModelState(model).preserved():
+            if not model.training:  # plan the step a training loop takes (verify() and plan.module run train mode)
+                model.train()
+                self.capture_notes.append(EVAL_NOTE)
             with stage("capture", f"{type(model).__name__}, method {capture_method}"):
                 self.capture = capture(model, example_inputs, method=capture_method)
             self.exact = exact
@@ -297,6 +314,9 @@ class Planner:
                     self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs,
                     timing_store=config.timing_store,
                 )
+        self.values = ValueGuard(frozen_values(model, self.capture.graph_module, self.capture.method))
+        self.capture_notes += [self.values.note()] if self.values.values else []
+        self.capture_notes += stale_note(self.capture.graph_module)
         self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
@@ -398,7 +418,7 @@ class Planner:
             problem,
             solution,
             cap,
-            notes=notes + self.dist_notes + own_notes,
+            notes=notes + self.capture_notes + self.dist_notes + own_notes,
             solver_options=options,
             baseline_regions=self.own_regions,
         )
@@ -457,6 +477,7 @@ class Planner:
 
         planned = input_shapes(cap.args, cap.kwargs)
         guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
+        guard.values = self.values
         object.__setattr__(module, "shape_guard", guard)
         larger = "re-planned per shape" if on_larger_shape == "replan" else "raise ShapeError"
         if not cap.dynamic_dims:

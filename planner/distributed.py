@@ -10,19 +10,33 @@ example inputs are one rank's batch), so only the resident state changes:
 - `fsdp` (FSDP2 `fully_shard`): parameters, gradients and optimizer state
   are sharded, 1/world_size of each per rank; buffers are replicated. The
   parameters FSDP all-gathers for the unit it is running are not counted.
+
+Planning under torch.distributed is collective (`plan_collectively`): ranks that plan on their own
+clocks choose different regions, and ranks whose checkpointing differs deadlock in FSDP's collectives.
+Rank 0 plans (profiles, solves, and makes any measured choice); the plan goes to every rank as JSON
+(`broadcast_object_list`); each other rank rebuilds it on its own model, which checks the plan's graph
+fingerprint and re-simulates its figures; a rank that refuses it makes every rank raise. A failure on
+rank 0 (an infeasible budget, a bad argument) is raised on every rank.
 """
 
 from __future__ import annotations
 
+import contextvars
+import json
 import math
+import pickle
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, PlanMismatchError, PlannerError
 from .solvers import Problem
 
-__all__ = ["SHARDINGS", "check_sharding", "shard_problem"]
+__all__ = ["SHARDINGS", "check_sharding", "shard_problem", "planning_is_collective", "plan_collectively"]
+
+_INSIDE = contextvars.ContextVar("ckpt_planner_collective", default=False)
 
 SHARDINGS = ("ddp", "fsdp")
 
@@ -69,3 +83,71 @@ def shard_problem(problem: Problem, model: torch.nn.Module, *, world_size: int, 
         f"fsdp x{world_size}: parameters, gradients and optimizer state counted at 1/{world_size} per rank "
         f"(buffers replicated); the parameters all-gathered for the running unit are not counted"
     ]
+
+
+def planning_is_collective() -> bool:
+    """True when torch.distributed runs more than one rank and no collective plan is already being made."""
+    if _INSIDE.get() or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    return torch.distributed.get_world_size() > 1
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` itself when it survives pickling (the other ranks raise the same class), else a PlannerError."""
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - an error class whose arguments do not round-trip
+        return PlannerError(f"planning on rank 0 failed: {type(e).__name__}: {e}")
+    return e
+
+
+def plan_collectively(
+    make: Callable[[], Any], load: Callable[[dict, str], Any], model: Any, example_inputs: Any, on_larger_shape: str
+) -> Any:
+    """Rank 0 runs `make()` (optimize as usual); every rank returns that Plan, the other ranks theirs made
+    by `load(data, source)` (Plan.from_dict) from its JSON and rebuilt on their own model."""
+    import torch.distributed as dist
+
+    from .capture.exported import accept_exported
+    from .state import ModelState
+
+    if on_larger_shape == "replan":
+        raise InputError(
+            "on_larger_shape: 'replan' under torch.distributed would re-plan on each rank alone, and ranks "
+            "whose plans differ deadlock in collectives; plan with the largest inputs (on_larger_shape='error')"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list[Any] = [None]
+    plan = None
+    if rank == 0:
+        token = _INSIDE.set(True)
+        try:
+            plan = make()
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here too
+            box[0] = ("error", _portable(e))
+            dist.broadcast_object_list(box, src=0)
+            raise
+        finally:
+            _INSIDE.reset(token)
+        plan.notes = (*plan.notes, f"planned on rank 0 of {world} and broadcast: every rank runs this plan "
+                      "(its graph fingerprint checked on each rank's model)")
+        box[0] = ("plan", json.dumps(plan.to_dict()))
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        raise payload
+    refused = None
+    if rank != 0:
+        plan = load(json.loads(payload), "the plan rank 0 broadcast")
+        module, inputs, _ = accept_exported(model, example_inputs)
+        try:
+            with ModelState(module).preserved():
+                plan.rebuild(module, inputs)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below: one rank raising alone would hang the rest
+            refused = f"rank {rank}: {type(e).__name__}: {e}"
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, refused)
+    bad = [v for v in verdicts if v]
+    if bad:
+        raise PlanMismatchError(f"the plan rank 0 made does not fit every rank's model: {'; '.join(bad)}")
+    return plan

@@ -16,6 +16,7 @@ __all__ = [
     "PlanMismatchError",
     "SelectiveReplayError",
     "InexactPlanError",
+    "StaleGraphError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -47,6 +48,10 @@ class SelectiveReplayError(PlannerError):
 
 class InexactPlanError(PlannerError):
     """No plan found whose training step equals the model's own; the message names what differs."""
+
+
+class StaleGraphError(PlannerError):
+    """A Python value the captured graph holds as a constant changed after planning; the message names it."""
 
 
 class CaptureError(PlannerError):

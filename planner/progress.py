@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
 
-__all__ = ["logger", "stage", "progress_enabled"]
+__all__ = ["logger", "stage", "progress_enabled", "native_stderr_dropped"]
 
 logger = logging.getLogger("ckpt_planner")
 
@@ -69,3 +70,24 @@ def progress_enabled(enabled: bool) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)
+
+
+@contextlib.contextmanager
+def native_stderr_dropped() -> Iterator[None]:
+    """Drop what native code writes to file descriptor 2 while inside (Kineto's `USDT: ... profiler_start`
+    lines when torch.profiler starts and stops). Wrap only the native call that writes the noise: Python
+    warnings raised inside would be dropped too, so a user's own code never runs inside."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no descriptor 2: nothing to drop
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

@@ -65,7 +65,7 @@ from .milp_backend import (
     _best_bound,
     _highs_model_status,
     default_backend,
-    stdout_to_stderr,
+    native_stdout_dropped,
 )
 from .problem import Problem
 from .registry import SolverResult, register
@@ -304,7 +304,7 @@ def _solve_milp(
             warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
             name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
             try:
-                with stdout_to_stderr():  # HiGHS's banner
+                with native_stdout_dropped():  # HiGHS's banner
                     prob.solve(solver)
             except Exception as e:  # noqa: BLE001 - any failure of the third-party backend is retried
                 raise _BackendFailure(f"{type(e).__name__}: {str(e).strip()[:200]}") from e

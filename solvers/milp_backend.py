@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-__all__ = ["ILPBackendError", "ILPSolveError", "default_backend"]
+__all__ = ["ILPBackendError", "ILPSolveError", "default_backend", "native_stdout_dropped"]
 
 
 class ILPBackendError(ValueError):
@@ -31,32 +31,34 @@ class _BackendFailure(Exception):
 
 
 @contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """Send what native code writes to file descriptor 1 to stderr while inside.
+def native_stdout_dropped() -> Iterator[None]:
+    """Drop what native code writes to file descriptor 1 while inside.
 
-    HiGHS prints its banner from C++ when a model is made, whatever `output_flag` says; on stdout it
-    would corrupt a caller's machine-readable output (`ckpt-planner ... --json`).
+    HiGHS prints its banner from C++ when a model is made, whatever `output_flag` says: on stdout it
+    would corrupt a caller's machine-readable output (`ckpt-planner ... --json`), and on stderr it is
+    noise in a library that says nothing unless asked. With `msg=False` nothing else is written there.
+    What Python code wrote before is flushed first, so it is not lost.
     """
     try:
-        # The process's own streams: a progress bar may stand in for sys.stdout with a proxy that has
+        # The process's own descriptor: a progress bar may stand in for sys.stdout with a proxy that has
         # no descriptor, while the native code still writes to descriptor 1.
         out = sys.__stdout__.fileno()
-        err = sys.__stderr__.fileno()
-    except (AttributeError, OSError, ValueError):  # no real descriptors (captured streams): nothing to move
+    except (AttributeError, OSError, ValueError):  # no real descriptor (captured streams): nothing to drop
         yield
         return
     sys.stdout.flush()
     sys.__stdout__.flush()
+    _flush_c_stdio()
     saved = os.dup(out)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(err, out)
+        os.dup2(null, out)
         yield
     finally:
-        sys.stdout.flush()
-        sys.__stdout__.flush()
-        _flush_c_stdio()  # a C library buffers a file's stdout: what it holds must leave before the swap back
+        _flush_c_stdio()  # a C library buffers a file's stdout: what it holds is dropped before the swap back
         os.dup2(saved, out)
         os.close(saved)
+        os.close(null)
 
 
 def _flush_c_stdio() -> None:

@@ -56,11 +56,16 @@ class InfeasibleBudgetError(RuntimeError):
         self.budget_bytes = budget_bytes
         self.smallest_bytes = smallest_bytes
         self.solver = solver
+        self._args = (budget_bytes, smallest_bytes, solver, fixed_bytes, detail)
         super().__init__(
             f"budget {_gb(budget_bytes)} is infeasible: the smallest budget solver {solver!r} fits is "
             f"{_gb(smallest_bytes)} ({smallest_bytes} bytes, of which {_gb(fixed_bytes)} is parameters, "
             f"inputs and optimizer state){detail}; raise the budget or reduce the batch size"
         )
+
+    def __reduce__(self) -> tuple:
+        # pickled whole (sent from the planning rank to the others under torch.distributed)
+        return type(self), self._args
 
 
 def _gb(nbytes: float) -> str:

@@ -6,6 +6,7 @@ averaged. Two SGD steps are taken, so the training loop itself is checked.
 """
 
 import copy
+import json
 import socket
 import time
 import traceback
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ckpt_planner import InputError, Plan, ProfileConfig, optimize
+from ckpt_planner import InfeasibleBudgetError, InputError, Plan, PlanMismatchError, ProfileConfig, optimize
 from ckpt_planner.distributed import shard_problem
 
 from tests.models import LOCAL
@@ -184,3 +185,72 @@ def test_sharding_arguments_are_checked():
         optimize(model, inputs, solver="none", world_size=0, sharding="ddp")
     problem = optimize(model, inputs, solver="none", profile_config=FAST).problem
     assert shard_problem(problem, model, world_size=1, sharding=None) == (problem, [])
+
+
+# -- ranks agree: planning under torch.distributed is collective ---------------------------------------
+
+SLOW_RANK = 1
+SLEEP_S = 0.01  # per call of the slowed layers on SLOW_RANK: its clock says they are expensive
+
+
+def _agree_worker(rank, port, solver):
+    try:
+        _agree(rank, port, solver)
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def _agree(rank, port, solver):
+    from ckpt_planner.cli.examples import MLPChain
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.models import mlp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    model, inputs = mlp()
+    fresh = copy.deepcopy(model)
+    if rank == SLOW_RANK:  # the first blocks' leaf layers are slow on this rank only (the graph calls them)
+        for block in list(model.blocks)[:3]:
+            block[0].register_forward_pre_hook(lambda *_: time.sleep(SLEEP_S))
+    measured = ProfileConfig(warmup=0, repeats=1, timing_store=False)  # each rank's own clock
+    # rank 0's failure is every rank's: an infeasible budget raises the same error on both
+    with pytest.raises(InfeasibleBudgetError, match="smallest budget"):
+        optimize(model, inputs, budget_bytes=1000, solver=solver, profile_config=FAST)
+    with pytest.raises(InputError, match="replan"):
+        optimize(model, inputs, activation_budget=0.5, on_larger_shape="replan", profile_config=FAST)
+    # a rank whose model is not the one rank 0 planned refuses the plan, and every rank raises
+    other = MLPChain(d=64, blocks=5) if rank == SLOW_RANK else model
+    with pytest.raises(PlanMismatchError, match=f"rank {SLOW_RANK}"):
+        optimize(other, inputs, activation_budget=0.5, solver=solver, profile_config=FAST)
+    plan = optimize(model, inputs, activation_budget=0.5, solver=solver, profile_config=measured)
+    plans = [None] * WORLD
+    dist.all_gather_object(plans, json.dumps(plan.to_dict(), sort_keys=True))
+    assert plans[0] == plans[1], f"rank {rank}: the ranks' plans differ"
+    assert plan.regions and any("planned on rank 0 of 2" in n for n in plan.notes)
+    # DDP over plan.module: one step, gradients averaged over the ranks' shards
+    shards = _shards(inputs, 0)
+    ddp = DDP(plan.module)
+    ddp(*shards[rank]).square().mean().backward()
+    grads = [None] * WORLD
+    dist.all_gather_object(grads, [p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    # FSDP2 over the same plan applied module by module (the checkpoints inside the one unit)
+    plan.apply(fresh)
+    sharded = fully_shard(fresh, mesh=init_device_mesh("cpu", (WORLD,)))
+    loss = sharded(*shards[rank]).square().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in fresh.parameters())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo processes planning: ~40 s on 2 busy cores
+@pytest.mark.parametrize("solver", ["auto"])
+def test_ranks_agree_on_one_plan_with_a_slow_rank(solver):
+    """Rank 1 runs three layers slowly: on its own clock it would plan otherwise. Rank 0 plans and
+    broadcasts; both ranks hold the same plan, and a DDP and an FSDP2 step with it complete. Rank 0's
+    errors are raised on every rank, and a rank whose model differs makes every rank refuse the plan."""
+    _run(_agree_worker, solver)

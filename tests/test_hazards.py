@@ -25,6 +25,7 @@ from ckpt_planner.profile.profile import ProfileConfig
 from ckpt_planner.solvers.basic import segment_runs
 from ckpt_planner.verify import default_loss
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 capture_mod = importlib.import_module("ckpt_planner.capture.capture")  # the package re-exports a function of that name
 rewrite_mod = importlib.import_module("ckpt_planner.lower.rewrite")
@@ -477,6 +478,157 @@ def test_mixtral_plan_exact():
     ]
     assert routed, "a region must recompute the router's top-k"
     assert compare(model, module, inputs) == (True, True, True)
+
+
+class _ExpertCounts(TorchDispatchMode):
+    """Tokens per expert at every top-k a step runs: the forward's, and the recompute's during backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.counts: dict[str, list[tuple[int, ...]]] = {"forward": [], "backward": []}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.topk.default:
+            experts = args[0].shape[-1]  # the router's probabilities: [tokens, experts]
+            self.counts[self.phase].append(tuple(torch.bincount(out[1].flatten(), minlength=experts).tolist()))
+        return out
+
+
+def routing(module, model, inputs) -> dict[str, list[tuple[int, ...]]]:
+    """Tokens per expert of one training step of `module`, forward and recompute apart."""
+    args, kwargs = _as_call(inputs)
+    mode = _ExpertCounts()
+    torch.manual_seed(0)
+    with mode:
+        loss = default_loss(module(*args, **kwargs))
+        mode.phase = "backward"
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return mode.counts
+
+
+def _routers_in_regions(module) -> int:
+    return sum(
+        sum("topk" in str(n.target) for n in m.graph.nodes)
+        for m in module.modules() if isinstance(m, rewrite_mod.CheckpointRegion)
+    )
+
+
+def _moe(name: str):
+    """A tiny MoE decoder with one layer; Mixtral's router jittered (training draws noise before routing)."""
+    from tests import zoo_models
+
+    torch.manual_seed(0)
+    model, inputs = getattr(zoo_models, name)(layers=1)
+    if name == "mixtral":
+        for m in model.modules():
+            if hasattr(m, "jitter_noise"):
+                m.jitter_noise = 0.1
+    return model.train(), inputs
+
+
+_moe_planners: dict[str, tuple] = {}
+
+
+def _moe_planner(name: str):
+    if name not in _moe_planners:
+        model, inputs = _moe(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _moe_planners[name] = (model, inputs, Planner(model, inputs, profile_config=FLOPS))
+    return _moe_planners[name]
+
+
+def _moe_params():
+    from tests.zoo_models import solver_names
+
+    for name in ("qwen2_moe", "mixtral"):
+        for solver in solver_names():
+            fast = name == "qwen2_moe" and solver == "dp"  # the export of each model dominates: ~15 s
+            yield pytest.param(name, solver, marks=[] if fast else [pytest.mark.slow], id=f"{name}-{solver}")
+
+
+@pytest.mark.parametrize("name,solver", list(_moe_params()))
+def test_moe_tokens_per_expert_replayed(name, solver):
+    """Every solver's plan on a tiny MoE decoder: the step is bitwise the model's, the allocator's peak is
+    within the budget, and each recompute of a router sends as many tokens to each expert as its forward."""
+    from ckpt_planner.errors import InfeasibleBudgetError
+    from ckpt_planner.verify import verify
+
+    model, inputs, planner = _moe_planner(name)
+    try:
+        try:
+            plan = planner.plan(solver=solver, activation_budget=0.5)
+        except InfeasibleBudgetError as e:
+            plan = planner.plan(solver=solver, budget_bytes=e.smallest_bytes)
+    except ValueError as e:  # brute force refuses a graph this large
+        assert "max_nodes" in str(e)
+        pytest.skip(str(e).splitlines()[0])
+    report = verify(model, plan, inputs, repeats=1)
+    assert report.exact, report.mismatch()
+    assert report.measured_peak_bytes <= plan.budget_bytes, (report.measured_peak_bytes, plan.budget_bytes)
+    want = routing(model, model, inputs)
+    got = routing(plan.module, model, inputs)
+    assert got["forward"] == want["forward"] and len(want["forward"]) >= 1
+    # A region recomputes its router only when the backward needs what follows it (checkpoint stops a
+    # recompute early once it has what it needs); test_moe_recompute_reroutes_without_rng_replay shows one.
+    for counts in got["backward"]:  # each recompute routes as a forward router did
+        assert counts in got["forward"], (counts, got["forward"])
+
+
+@pytest.mark.slow  # exports Mixtral: ~20 s
+def test_moe_recompute_reroutes_without_rng_replay(rng_not_preserved):
+    """Mixtral's jittered router recomputed without its generator state sends tokens elsewhere: the check
+    above is not vacuous."""
+    model, inputs = _moe("mixtral")
+    _, module = checkpointed(model, inputs)
+    assert _routers_in_regions(module)
+    got = routing(module, model, inputs)
+    assert got["backward"] and any(c not in got["forward"] for c in got["backward"])
+    assert routing(model, model, inputs)["backward"] == []  # the model itself recomputes nothing
+
+
+class BiasBalancedMoE(nn.Module):
+    """Aux-loss-free balancing: each training forward nudges a routing bias (a buffer) toward even load."""
+
+    def __init__(self, d: int = 32, experts: int = 4, layers: int = 8) -> None:
+        super().__init__()
+        self.routers = nn.ModuleList(nn.Linear(d, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(nn.ModuleList(nn.Linear(d, d) for _ in range(experts)) for _ in range(layers))
+        for i in range(layers):
+            self.register_buffer(f"bias{i}", torch.zeros(experts))
+
+    def forward(self, x):
+        for i, (router, experts) in enumerate(zip(self.routers, self.experts)):
+            bias = getattr(self, f"bias{i}")
+            logits = router(x)
+            _, idx = torch.topk(logits + bias, 2, dim=-1)  # the bias steers routing, not the weights
+            gate = torch.zeros_like(logits).scatter(-1, idx, torch.softmax(logits, -1).gather(-1, idx))
+            x = torch.tanh((torch.stack([e(x) for e in experts], -1) * gate.unsqueeze(-2)).sum(-1))
+            with torch.no_grad():
+                load = torch.zeros_like(bias).scatter_add(0, idx.flatten(), torch.ones(idx.numel()))
+                bias.add_(0.1 * torch.sign(load.mean() - load))
+        return x
+
+
+def test_router_reading_a_bias_updated_later_stays_outside_regions():
+    """A recompute runs after the forward updated the bias: it would route otherwise (gradients 111 off with
+    the safety net off; with it, no plan). The reads of the bias stay outside regions and the plan says so."""
+    from ckpt_planner import optimize
+    from ckpt_planner.verify import verify
+
+    torch.manual_seed(0)
+    model, x = BiasBalancedMoE(d=16, layers=6), torch.randn(512, 16)
+    plan = optimize(model, (x,), activation_budget=0.7, solver="dp", capture_method="export", profile_config=FLOPS,
+                    exact_check=False)
+    assert plan.regions
+    note = next(n for n in plan.notes if "read buffers the forward writes in place later" in n)
+    assert "bias0" in note and "stay outside" in note
+    report = verify(model, plan, (x,), repeats=1)
+    assert report.exact, report.mismatch()
 
 
 # -- 9. Tied weights ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Model zoo: every registered solver's plan on real architectures is exact and keeps its memory promise.
 
 Models (tests/zoo_models.py): GPT-2, Llama, BERT, T5 (with labels), ViT, Swin, ResNet, ConvNeXt,
-Whisper, Mixtral (MoE) from tiny transformers configs with random weights, and a U-Net with long
+Whisper, Mixtral and Qwen2-MoE (MoE) from tiny transformers configs with random weights, and a U-Net with long
 skips, BatchNorm and in-place ReLU. Each model is captured and profiled once; every solver plans it
 at 50 % and 25 % of its no-checkpointing activation memory. A budget the solver reports infeasible
 must name a smallest budget that is feasible; the plan at that budget is checked instead.
@@ -21,7 +21,7 @@ from ckpt_planner.profile.profile import ProfileConfig
 from tests.zoo_models import ZOO, build, run_case, solver_names
 
 FRACTIONS = (0.5, 0.25)
-SLOW = {"gpt2", "llama", "t5", "swin", "whisper", "mixtral", "bert"}  # the largest graphs: capture dominates
+SLOW = {"gpt2", "llama", "t5", "swin", "whisper", "mixtral", "qwen2_moe", "bert"}  # the largest graphs: capture dominates
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 OPTIONS = {"ilp": {"time_limit": 2.0}, "auto": {"time_limit": 2.0}}  # seconds per MILP solve, for test time
 

@@ -108,15 +108,27 @@ def whisper():
     }
 
 
-def mixtral():
+def mixtral(layers: int = 2):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96,
+        num_hidden_layers=layers, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96,
         vocab_size=128, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
     )
     ids = _ids(2, 16, 128)
     return MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def qwen2_moe(layers: int = 2):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        num_hidden_layers=layers, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96,
+        moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        vocab_size=128, max_position_embeddings=64, use_cache=False,
+    )  # every layer sparse: a top-2 router over 4 experts plus a gated shared expert
+    ids = _ids(2, 16, 128)
+    return Qwen2MoeForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
 class _ConvBlock(nn.Sequential):
@@ -176,6 +188,7 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, object]]] = {
     "convnext": convnext,
     "whisper": whisper,
     "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
     "unet": unet,
 }
 

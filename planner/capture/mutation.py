@@ -15,7 +15,9 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["COMPUTE_OPS", "compute_nodes", "mutated_inputs", "writes_by_schema", "written_roots", "view_root"]
+__all__ = [
+    "COMPUTE_OPS", "compute_nodes", "mutated_inputs", "stale_reads", "writes_by_schema", "written_roots", "view_root",
+]
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -58,6 +60,9 @@ def mutated_inputs(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
         return first if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) else []
     if n.op != "call_function":
         return []
+    inner = _subgraph_writes(gm, n)
+    if inner is not None:
+        return inner
     if n.target in _INPLACE_OPERATORS:
         return first
     schema = getattr(n.target, "_schema", None)
@@ -101,3 +106,42 @@ def view_root(n: fx.Node) -> fx.Node:
 def written_roots(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node]:
     """The nodes whose storage `n` writes into in place (through views resolved to their base)."""
     return [view_root(a) for a in mutated_inputs(gm, n)]
+
+
+def _subgraph_writes(gm: torch.nn.Module, n: fx.Node) -> list[fx.Node] | None:
+    """For a higher-order op that runs a subgraph on the operands after it (`wrap_with_set_grad_enabled`:
+    a `torch.no_grad()` block in an exported forward), the operands its subgraph writes into; else None."""
+    subs = [
+        (k, getattr(gm, str(a.target), None)) for k, a in enumerate(n.args) if isinstance(a, fx.Node) and a.op == "get_attr"
+    ]
+    k, sub = next(((k, m) for k, m in subs if isinstance(m, fx.GraphModule)), (-1, None))
+    if sub is None:
+        return None
+    operands = n.args[k + 1 :]
+    places = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    written = {r for m in compute_nodes(sub.graph) for r in written_roots(sub, m)}
+    return [o for p, o in zip(places, operands) if p in written and isinstance(o, fx.Node)]
+
+
+def stale_reads(gm: torch.nn.Module) -> dict[fx.Node, str]:
+    """Compute nodes that read a buffer which a later node of the forward writes in place, with its name.
+
+    A recompute runs after the whole forward, so such a node would read the buffer's new value (a routing
+    bias nudged toward even load by every training step, as aux-loss-free MoE balancing does): it cannot be
+    replayed and stays outside regions. Its output, saved as a region's input, replays what follows exactly.
+    """
+    compute = compute_nodes(gm.graph)
+    last_write: dict[fx.Node, int] = {}  # buffer (get_attr node) -> position of the last node writing it
+    for i, n in enumerate(compute):
+        for r in written_roots(gm, n):
+            if r.op == "get_attr":
+                last_write[r] = i
+    out: dict[fx.Node, str] = {}
+    for i, n in enumerate(compute):
+        if _is_view(n):
+            continue  # a view reads nothing; the node that reads through it is the one that counts
+        for a in n.all_input_nodes:
+            root = view_root(a)
+            if last_write.get(root, -1) > i:
+                out[n] = str(root.target)
+    return out

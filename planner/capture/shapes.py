@@ -69,7 +69,8 @@ def input_shapes(args: tuple, kwargs: dict[str, Any]) -> InputShapes:
 
 
 def dynamic_shapes_for(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A `dynamic_shapes` for torch.export: every dimension of every tensor input `Dim.AUTO`.
+    """A `dynamic_shapes` for torch.export: every dimension of every tensor input `Dim.AUTO`, but those of
+    size 0 or 1, which export specializes anyway (and warns about, once per dimension, when marked AUTO).
 
     Keyed by the forward's parameter names (torch.export's convention when keyword inputs are given).
     """
@@ -78,7 +79,8 @@ def dynamic_shapes_for(model: torch.nn.Module, args: tuple, kwargs: dict[str, An
 
     def spec(value: Any) -> Any:
         return pytree.tree_map(
-            lambda t: {i: auto for i in range(t.dim())} if isinstance(t, torch.Tensor) else None, value
+            lambda t: {i: auto for i in range(t.dim()) if t.shape[i] > 1} if isinstance(t, torch.Tensor) else None,
+            value,
         )
 
     return {name: spec(value) for name, value in bound.arguments.items()}
@@ -151,6 +153,8 @@ class ShapeGuard:
         """False: the graph takes only the planned shape; any other is planned again."""
         self.replanned: dict[InputShapes, torch.nn.Module] = {}
         """Checkpointed modules planned for other shapes, by shape."""
+        self.values: Any = None
+        """frozen.ValueGuard: the Python values the graph holds as constants, checked before each call."""
 
     def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """The call as the graph takes it: by keyword when the capture was made that way."""
@@ -163,6 +167,8 @@ class ShapeGuard:
 
     def module_for(self, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module | None:
         """None to run the planned module; else the module planned for this call's shape."""
+        if self.values is not None:
+            self.values.check()
         shapes = input_shapes(args, kwargs)
         if shapes in self.replanned:
             return self.replanned[shapes]

@@ -269,6 +269,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     solvers.get_solver(args.solver)
     if args.verify and args.device == "meta":
         raise InputError("verify: a plan made on the meta device cannot be run; drop --verify or use --device cpu/cuda")
+    if args.compile and args.device == "meta":
+        raise InputError("compile: a --compile plan is compiled and measured on real tensors; "
+                         "use --device cpu/cuda or drop --compile")
     if args.compile and args.verify:
         raise InputError("verify: a --compile plan is measured compiled while planning (its summary shows the "
                          "measured peak); drop --verify")

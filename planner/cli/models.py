@@ -111,6 +111,8 @@ def _load_factory(spec: str) -> tuple[torch.nn.Module, Any, str]:
                 module = importlib.import_module(head)
         except Exception as e:  # noqa: BLE001 - the user's code; report its first line
             raise InputError(f"model spec {spec!r}: importing {head!r} failed: {_first_line(e)}") from None
+        except SystemExit as e:  # the user's module called sys.exit() while imported
+            raise InputError(f"model spec {spec!r}: importing {head!r} called sys.exit({e.code!r})") from None
         factory = getattr(module, name, None)
         if not callable(factory):
             raise InputError(f"model spec {spec!r}: {head!r} has no callable {name!r}")
@@ -118,6 +120,8 @@ def _load_factory(spec: str) -> tuple[torch.nn.Module, Any, str]:
             made = factory()
         except Exception as e:  # noqa: BLE001
             raise InputError(f"model spec {spec!r}: {name}() raised {_first_line(e)}") from None
+        except SystemExit as e:  # a factory that exits would end the command with its code and no word
+            raise InputError(f"model spec {spec!r}: {name}() called sys.exit({e.code!r})") from None
     example = None
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         made, example = made

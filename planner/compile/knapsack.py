@@ -83,7 +83,7 @@ def solve_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
     Sizes are bytes (integers), values seconds. Solved as a MILP (HiGHS in-process when installed, else
     pulp's CBC, the other one if the first fails); the result is checked in integers.
     """
-    from ..solvers.milp_backend import ILPSolveError, _backend, _backends, stdout_to_stderr
+    from ..solvers.milp_backend import ILPSolveError, _backend, _backends, native_stdout_dropped
 
     if len(sizes) != len(values):
         raise InputError(f"knapsack: {len(sizes)} sizes but {len(values)} values; give one of each per item")
@@ -107,7 +107,7 @@ def solve_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
             warnings.simplefilter("ignore", DeprecationWarning)
             _, solver = _backend(name, None, 0.0, "/dev/null", False)
             try:
-                with stdout_to_stderr():
+                with native_stdout_dropped():
                     prob.solve(solver)
             except Exception as e:  # noqa: BLE001 - the other backend is tried
                 failures.append(f"{name}: {type(e).__name__}: {str(e).strip()[:200]}")

@@ -17,6 +17,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..progress import native_stderr_dropped
+
 __all__ = ["AllocatorMeter", "LiveMemory", "Window", "alive", "storage_key"]
 
 
@@ -132,11 +134,13 @@ class AllocatorMeter:
             return self
         from torch.profiler import ProfilerActivity, profile
 
-        # Kineto prints a 'USDT: profiler_start/stop' line to stderr per session unless told otherwise;
-        # this meter starts one per measured step, so quiet it (a level the user set is kept).
+        # Kineto prints a 'USDT: profiler_start/stop' line to stderr from C++ per session (its log level is
+        # read once per process, so an earlier profiler session in the process keeps it talking); this meter
+        # starts one per measured step, so the start and the stop, and nothing else, write to nowhere.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with native_stderr_dropped():
+            self._prof.__enter__()
         return self
 
     def mark(self, name: str) -> None:
@@ -167,7 +171,8 @@ class AllocatorMeter:
             self._close_cuda()
             self._windows = self._cuda
             return
-        self._prof.__exit__(*exc)
+        with native_stderr_dropped():
+            self._prof.__exit__(*exc)
         tree = self._prof.profiler.kineto_results.experimental_event_tree()
         self._prof = None
         marks = {}

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.capture import Capture, flatten_for_graph
-from ..capture.mutation import mutated_inputs, writes_by_schema, written_roots
+from ..capture.mutation import mutated_inputs, stale_reads, writes_by_schema, written_roots
 from ..capture.rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
 from ..errors import InputError
 from ..lower.selective import try_policy_costs
@@ -223,6 +223,7 @@ def _build(
     for w in prof.meter.windows() if prof.meter is not None else ():
         alloc_temp[w.name] = max(alloc_temp.get(w.name, 0), w.peak - w.end)
     rng_bytes = rng_state_bytes(torch.device(device))
+    stale = stale_reads(gm)  # reads a buffer the forward writes later: a recompute would see the new value
     for i, n in enumerate(compute):
         value = env[n]
         packed, peak_extra, kept_extra, flops = prof.events[n.name]
@@ -288,6 +289,7 @@ def _build(
             or n.meta.get(UNREPLAYABLE_META, False)  # a draw written aside (rrelu's noise): rng.py
             or (writes_by_schema(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
             or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
+            or n in stale
         )
         nodes.append(
             {
