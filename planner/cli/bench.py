@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .report import _downsample, _fmt_bytes, fits_text
+from .report import _fmt_bytes, fits_text
+from .report_data import _downsample
 
 __all__ = ["measure_timeline", "step_times", "bench", "bench_table"]
 
