@@ -247,3 +247,76 @@ def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monk
     with pytest.raises(InfeasibleBudgetError) as full:
         Planner(model, batch, profile_config=FAST).plan(budget_gb=0.05)
     assert refused.value.smallest_bytes == full.value.smallest_bytes
+
+
+# -- 5. the report's figures are the summary's -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reported():
+    """A plan with kept ops (its peak counts them), its report data, and a bench of three solvers."""
+    from ckpt_planner.cli.bench import bench
+    from ckpt_planner.cli.report import plan_data
+
+    from .models import tiny_gpt
+
+    model, inputs = tiny_gpt()
+    planner = Planner(model, inputs, profile_config=FAST)
+    plan = planner.plan(activation_budget=0.85, solver="dp")
+    assert plan.saved_indices(), "the case needs kept ops"
+    plan.stats.update(plan_data(plan, planner.problem, ["dp", "uniform"], 4))
+    result = bench(planner, inputs, ["none", "uniform", "dp"], {"activation_budget": 0.85})
+    return plan, plan.to_dict(), result
+
+
+def _summary_value(plan, key: str) -> str:
+    line = next(ln for ln in plan.summary().splitlines() if ln.startswith(key))
+    return line[len(key):].strip()
+
+
+def test_report_summary_counts_and_overhead_are_the_summarys(reported):
+    from ckpt_planner.cli.report import summary_rows
+
+    plan, data, _ = reported
+    rows = {key: text for key, _, _, text in summary_rows(data)}
+    assert rows["regions"] == _summary_value(plan, "recomputed regions")  # same counts, same words
+    assert rows["predicted_step_s"] == _summary_value(plan, "predicted step time")  # the one overhead
+    assert "% of the forward" not in " ".join(rows.values())
+
+
+def test_report_legend_peak_is_the_summarys_peak(reported):
+    plan, data, _ = reported
+    timeline = data["stats"]["timeline"]["plan"]
+    assert timeline["peak_bytes"] == plan.predicted_peak_bytes == max(timeline["bytes"])  # the legend's peak
+
+
+def test_report_star_is_the_plans_point_on_its_solvers_curve(reported):
+    plan, data, _ = reported
+    curves = data["stats"]["curves"]
+    star = curves["plan"]
+    assert star["peak_bytes"] == plan.predicted_peak_bytes and star["overhead"] == plan.predicted_overhead
+    assert any((p["peak_bytes"], p["overhead"]) == (star["peak_bytes"], star["overhead"]) for p in curves["solvers"]["dp"])
+
+
+def test_report_draws_every_measured_timeline_of_the_bench(reported, monkeypatch):
+    pytest.importorskip("matplotlib")
+    report = importlib.import_module("ckpt_planner.cli.report")
+    plan, data, result = reported
+    drawn: list[str] = []
+    real = report._plot_series
+    monkeypatch.setattr(report, "_plot_series", lambda ax, series, label, style: drawn.append(label) or real(ax, series, label, style))
+    report.figures(data, result)
+    measured = [label for label in drawn if label.endswith("measured")]
+    assert measured == ["no checkpointing, measured", "uniform, measured", "dp, measured"]
+
+
+def test_report_solver_statistics_are_a_table(reported):
+    from ckpt_planner.cli.report import _solver_stats, render
+
+    _, data, _ = reported
+    data = {**data, "stats": {**data["stats"], "tried": {"dp": {"peak_bytes": 5, "fits": True}}, "attempts": [1, 2]}}
+    rows = _solver_stats(data)
+    assert ["tried.dp.peak_bytes", "5"] in rows and ["attempts", "1, 2"] in rows
+    assert all(not value.startswith(("{", "[")) for _, value in rows)  # plain values, no raw JSON
+    text = render(data, fmt="md")
+    assert "| tried.dp.fits | True |" in text
