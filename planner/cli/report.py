@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .report_data import curve_data, plan_data, step_overhead, timeline_data
+from .report_data import _downsample, curve_data, plan_data, step_overhead, timeline_data  # noqa: F401 - re-exported
 
 __all__ = [
     "measured_series",
