@@ -262,13 +262,14 @@ class Planner:
                 self.capture = capture(model, example_inputs, method=capture_method)
             logger.info("capture: %s, %d graph nodes", self.capture.method, len(self.capture.graph_module.graph.nodes))
             self.model, self._floors = model, {}
-            if feasible_for is not None and needs_bytes_pass(config):
+            memo = PROFILES.key(model, self.capture, config)
+            self.cost = PROFILES.get(memo)
+            if self.cost is None and feasible_for is not None and needs_bytes_pass(config):
                 # Bytes first (planner/first_pass.py): an infeasible budget is refused before any timing.
                 with stage("bytes", "one recorded step, no timing: can the budget be met?"):
                     self._set_cost(profile(self.capture, bytes_config(config)), optimizer, world_size, sharding)
                     self.check_feasible(**feasible_for)
-            memo = PROFILES.key(model, self.capture, config)
-            self.cost = PROFILES.get(memo)
+                self.cost = None
             if self.cost is not None:
                 with stage("profile", "reused: this process measured the same graph, weights and inputs"):
                     pass

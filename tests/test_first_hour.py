@@ -184,7 +184,10 @@ def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch
     with caplog.at_level(logging.INFO, logger="ckpt_planner"):
         loose = optimize(model, (x,), activation_budget=0.7, solver="dp", profile_config=MEASURED)
         tight = optimize(model, (x,), activation_budget=0.55, solver="dp", profile_config=MEASURED)
-    assert len(calls) == 1 and _stages(caplog).count("profile") == 1
+    profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: start")]
+    assert len(calls) == 1 and profiles == ["profile: start (running each node)",
+                                            "profile: start (reused: this process measured the same graph, weights and inputs)"]
+    assert _stages(caplog).count("bytes") == 1  # the second call has its profile: nothing to time, no byte pass
     assert [n.time for n in tight.problem.nodes] == [n.time for n in loose.problem.nodes]
     assert tight.eager_step_s == loose.eager_step_s and tight.graph_overhead_s == loose.graph_overhead_s
     assert tight.predicted_peak_bytes <= loose.predicted_peak_bytes

@@ -41,6 +41,9 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
 
 
 def test_progress_true_writes_to_stderr_without_a_tty(capsys) -> None:
+    from ckpt_planner.first_pass import PROFILES
+
+    PROFILES.clear()  # a fresh profile: every stage runs
     logger = logging.getLogger("ckpt_planner")
     handlers, level = list(logger.handlers), logger.level
     _plan(solver="dp", progress=True)
