@@ -323,3 +323,21 @@ def test_report_solver_statistics_are_a_table(reported):
     assert all(not value.startswith(("{", "[")) for _, value in rows)  # plain values, no raw JSON
     text = render(data, fmt="md")
     assert "| tried.dp.fits | True |" in text
+
+
+def test_cli_plan_refuses_an_infeasible_budget_before_timing(work, capsys, monkeypatch):
+    api = importlib.import_module("ckpt_planner.api")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
+    real = profile_mod._profile_real
+
+    def untimed_only(gm, flat, config, dev):
+        assert config.flop_times, "the model was timed for a budget that cannot be met"
+        return real(gm, flat, config, dev)
+
+    monkeypatch.setattr(api, "ProfileConfig", ProfileConfig)  # the user's default profile: timed
+    monkeypatch.setattr(profile_mod, "_profile_real", untimed_only)
+    code = main(["plan", f"{work}/factory.py:make", "--budget-bytes", "100000", "--curve-points", "0",
+                 "-o", str(work / "never.json")])
+    captured = capsys.readouterr()
+    assert code == 1 and "infeasible" in captured.err and "smallest budget" in captured.err
+    assert not (work / "never.json").exists()

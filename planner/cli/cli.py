@@ -235,15 +235,16 @@ def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
         raise better from None
 
 
-def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
-    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
+def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
+    `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
     from ..api import Planner
     from ..capture.preflight import nothing_to_plan
 
     with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
         planner = Planner(
             loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
-            exact_check=getattr(args, "exact_check", True),
+            exact_check=getattr(args, "exact_check", True), feasible_for=feasible_for,
         )
     empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
     if empty is not None:
@@ -277,7 +278,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
-        planner = _planner(args, loaded, inputs, record, bar)
+        budget = _budget_kwargs(args)
+        early = {**budget, "solver": args.solver} if any(v is not None for v in budget.values()) and not args.compile else None
+        planner = _planner(args, loaded, inputs, record, bar, feasible_for=early)
         with _stage(bar, f"solving ({args.solver})"):
             if args.compile:
                 from ..compile.compiled import CompiledPlanner
