@@ -117,8 +117,9 @@ def plan_data(
     }
     curves = curve_data(problem, curve_solvers, points=points, forward_s=forward, tick=tick)
     if plan.solver in curves:
-        point = {"budget_bytes": plan.budget_bytes, **{k: mark[k] for k in ("peak_bytes", "recompute_s", "overhead")},
-                 "regions": len(plan.regions), "this_plan": True}
+        point = {**({"budget_bytes": plan.budget_bytes} if plan.budget_bytes is not None else {}),
+                 **{k: mark[k] for k in ("peak_bytes", "recompute_s", "overhead")}, "regions": len(plan.regions),
+                 "this_plan": True}
         curves[plan.solver] = sorted([*curves[plan.solver], point], key=lambda p: p["peak_bytes"])
     return {
         "timeline": {"plan": timeline_data(problem, plan.spans(), plan.saved_indices()), "baseline": timeline_data(problem, ())},
