@@ -22,6 +22,7 @@ from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
+from .first_pass import PROFILES, bytes_config, needs_bytes_pass
 from .lower.chunk import ChunkSpec, chunk_capture
 from .lower.rewrite import rewrite, safe_regions
 from .partial import PartialPlanner
@@ -200,6 +201,10 @@ def optimize(
             world_size=world_size,
             sharding=sharding,
             exact_check=exact_check,
+            feasible_for=dict(
+                budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+                solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+            ) if (budget_gb, budget_bytes, activation_budget) != (None, None, None) else None,
         )
     except CaptureError as e:
         if not partial or world_size != 1 or (device is not None and torch.device(device).type == "meta"):
@@ -281,6 +286,7 @@ class Planner:
         sharding: str | None = None,
         exact_check: bool = True,
         exact: bool = True,
+        feasible_for: dict[str, Any] | None = None,
     ) -> None:
         _refuse_grad_mode()
         check_sharding(world_size, sharding)
@@ -302,22 +308,36 @@ class Planner:
             if not exact:  # token-wise groups run in chunks (planner/lower/chunk.py)
                 self.capture, self.chunks = chunk_capture(self.capture)
             logger.info("capture: %s, %d graph nodes", self.capture.method, len(self.capture.graph_module.graph.nodes))
-            with stage("profile", "meta tensors" if config.meta else "running each node"):
-                self.cost = profile(self.capture, config)
-            logger.info(
-                "profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)",
-                len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
-                self.cost.time_source,
-            )
-            if config.overheads:
-                self.cost = with_step_times(
-                    self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs,
-                    timing_store=config.timing_store,
+            self.model, self._floors = model, {}
+            memo = PROFILES.key(model, self.capture, config)
+            self.cost = PROFILES.get(memo)
+            if self.cost is None and feasible_for is not None and needs_bytes_pass(config):
+                # Bytes first (planner/first_pass.py): an infeasible budget is refused before any timing.
+                with stage("bytes", "one recorded step, no timing: can the budget be met?"):
+                    self._set_cost(profile(self.capture, bytes_config(config)), optimizer, world_size, sharding, config)
+                    self.check_feasible(**feasible_for)
+                self.cost = None
+            if self.cost is not None:
+                with stage("profile", "reused: this process measured the same graph, weights and inputs"):
+                    pass
+            else:
+                with stage("profile", "meta tensors" if config.meta else "running each node"):
+                    self.cost = profile(self.capture, config)
+                logger.info(
+                    "profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)",
+                    len(self.cost.nodes), self.cost.total_saved_bytes / 1e6, self.cost.total_time * 1e3,
+                    self.cost.time_source,
                 )
+                if config.overheads and self.cost.time_source != "flops":  # FLOP times have no step to time
+                    with stage("step times", "the eager step, the captured graph and one calibration step"):
+                        self.cost = with_step_times(
+                            self.cost, model, self.capture.graph_module, self.capture.args, self.capture.kwargs,
+                            timing_store=config.timing_store,
+                        )
+                PROFILES.put(memo, self.cost)
         self.values = ValueGuard(frozen_values(model, self.capture.graph_module, self.capture.method))
         self.capture_notes += [self.values.note()] if self.values.values else []
         self.capture_notes += stale_note(self.capture.graph_module)
-        self.model = model
         self._settings = dict(
             device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
             world_size=world_size, sharding=sharding, exact_check=exact_check, exact=exact,
@@ -326,6 +346,17 @@ class Planner:
             t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())
         )
         self._check = exact_check and self._real
+        self._set_cost(self.cost, optimizer, world_size, sharding, config)
+        self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
+        """What a loaded plan needs to re-simulate its figures (Plan.check_figures)."""
+        self.autotune: bool | int | None = None
+        """`plan(autotune=None)` takes this (None: on where times are on the clock); compiled plans set False."""
+
+    def _set_cost(self, cost: Any, optimizer: Any, world_size: int, sharding: str | None,
+                  config: ProfileConfig) -> None:
+        """The problem, the model's own regions and the floors, from one profile (bytes pass or timed)."""
+        model = self.model
+        self.cost = cost
         problem = self.cost.to_problem(
             optimizer_bytes=optimizer_state_bytes(model, optimizer), name=type(model).__name__
         )
@@ -346,10 +377,6 @@ class Planner:
         self.own_regions = laminar(self.problem, spans)
         """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
         self._floors: dict[tuple, tuple[int, tuple[tuple[int, int], ...]]] = {}
-        self.autotune: bool | int | None = None
-        """`plan(autotune=None)` takes this (None: on where times are on the clock); compiled plans set False."""
-        self.sharding = {"world_size": world_size, "sharding": sharding} if sharding else None
-        """What a loaded plan needs to re-simulate its figures (Plan.check_figures)."""
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -360,6 +387,49 @@ class Planner:
     def no_checkpoint_peak_bytes(self) -> int:
         """Predicted peak of one step with no checkpointing at all."""
         return simulate(self.problem, ()).peak_bytes
+
+    def check_feasible(
+        self,
+        *,
+        budget_gb: float | None = None,
+        budget_bytes: int | None = None,
+        activation_budget: float | None = None,
+        solver: str = "auto",
+        solver_options: dict[str, Any] | None = None,
+        safety_margin: float = 0.02,
+        own_checkpointing: str = "replace",
+        **_: Any,
+    ) -> None:
+        """Raise InfeasibleBudgetError when no plan can meet the budget; bytes alone decide (planner/budget.py),
+        so this holds on the byte pass's profile as on the timed one. Other arguments of `plan` are ignored."""
+        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
+        if nothing_to_plan(self.model, self.capture.graph_module, self.cost.total_saved_bytes) is not None:
+            return  # plan() says why
+        if activation_budget is not None:
+            budget = int(self.problem.fixed_bytes + activation_budget * (self.baseline_peak_bytes - self.problem.fixed_bytes))
+        if budget is None or solver not in solvers.SOLVERS:
+            return
+        keep = own_checkpointing == "keep" and bool(self.own_regions)
+        self._refuse(budget, solver, dict(solver_options or {}), safety_margin, keep)
+
+    def _refuse(self, budget: int, solver: str, options: dict[str, Any], margin: float, keep: bool) -> None:
+        """InfeasibleBudgetError naming the smallest feasible budget when neither a plan nor the step as given fits."""
+        problem = self.problem
+        given = self._finish(self.own_regions, False)[0] if self.own_regions else ()
+        given_peak = simulate(problem, given).peak_bytes
+        plain_peak = self.no_checkpoint_peak_bytes
+        if plain_peak <= budget and not keep:
+            return
+        fixed = problem.fixed_bytes
+        floor_peak, _ = self._floor(solver, options, keep)
+        as_is = given_peak if keep else min(plain_peak, given_peak)
+        if floor_peak > inner_budget(budget, fixed, margin) and as_is > budget:
+            smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
+            detail = ""
+            if smallest == as_is:
+                regions = given if given_peak <= plain_peak or keep else ()
+                detail = peak_detail(problem, regions, [n.name for n in self.cost.nodes])
+            raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed, detail=detail)
 
     def plan(
         self,
@@ -432,6 +502,11 @@ class Planner:
         if not self.exact:
             plan.stats["exact"] = False
             plan.stats["chunks"] = [c.to_dict() for c in self.chunks]
+        if not plan.regions and not self.chunks and on_larger_shape == "error":
+            # Nothing to recompute: the model itself, not its captured graph (which costs time of its own).
+            plan.module, plan.graph_overhead_s, plan.predicted_step_s = model, 0.0, plan.eager_step_s
+            plan.notes = (*plan.notes, "no checkpoint regions: plan.module is the model itself, unchanged")
+            return plan
         with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
             plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
@@ -611,14 +686,7 @@ class Planner:
         fixed = problem.fixed_bytes
         inner = inner_budget(budget, fixed, margin)
         floor_peak, floor_regions = self._floor(solver, options, keep)
-        as_is = given_peak if keep else min(plain_peak, given_peak)
-        if floor_peak > inner and as_is > budget:
-            smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
-            detail = ""
-            if smallest == as_is:
-                regions = given if given_peak <= plain_peak or keep else ()
-                detail = peak_detail(problem, regions, [n.name for n in self.cost.nodes])
-            raise solvers.InfeasibleBudgetError(budget, smallest, solver, fixed, detail=detail)
+        self._refuse(budget, solver, options, margin, keep)
         stats = {"planned_for_bytes": inner}
         if floor_peak > inner or (keep and given_peak <= budget):
             note = f"the model as given fits the budget (predicted peak {given_peak / 1e9:.3f} GB): its own checkpointing, unchanged"

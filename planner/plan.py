@@ -198,12 +198,15 @@ class Plan:
         if self.stats.get("own_checkpointing"):
             rows.insert(4, ("model's own checkpointing", f"{self.stats['own_checkpointing']} (savings are against the model as given)"))
         if self.eager_step_s > 0 and not (compiled and compiled.get("lowering") == "knapsack"):
+            # One overhead, the step's, with its parts (they add up to it); no second percentage beside it.
+            rows = [r for r in rows if r[0] != "recompute overhead"]
             rows.append(
                 (
                     "predicted step time",
                     f"{self.predicted_step_s * 1e3:.1f} ms against {self.eager_step_s * 1e3:.1f} ms eager: "
-                    f"+{100 * self.predicted_overhead:.1f} % (checkpoint calls {self.call_overhead_s * 1e3:.1f} ms, "
-                    f"captured graph {self.graph_overhead_s * 1e3:.1f} ms)",
+                    f"{100 * self.predicted_overhead:+.1f} % = recompute {self.predicted_recompute_s * 1e3:.1f} ms "
+                    f"(checkpoint calls {self.call_overhead_s * 1e3:.1f} ms of it) + captured graph "
+                    f"{self.graph_overhead_s * 1e3:.1f} ms" + (" (FLOP estimate)" if self.time_source == "flops" else ""),
                 )
             )
         rows += summary_rows(self.stats)  # autotune's candidates, predicted and measured

@@ -137,7 +137,7 @@ def plan_from_solution(
         solver_options=dict(solver_options or {}),
         breakdown=dict(sim.breakdown),
         baseline_breakdown=dict(base.breakdown),
-        notes=tuple(notes) + ((f"symbolic_trace failed ({cap.fallback_reason}); captured with torch.export",) if cap.fallback_reason else ()),
+        notes=tuple(notes) + (("captured with torch.export",) if cap.fallback_reason else ()),
         stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
         time_source=cost.time_source,
         num_nodes=len(cost.nodes),

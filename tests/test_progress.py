@@ -9,7 +9,8 @@ from ckpt_planner.profile.profile import ProfileConfig
 
 from .models import mlp
 
-STAGES = ("capture", "profile", "solve", "check", "rewrite")  # check: the safety net (exactness.py)
+# bytes: the byte pass that decides feasibility before any timing (first_pass.py); check: the safety net
+STAGES = ("capture", "bytes", "profile", "solve", "check", "rewrite")
 
 
 def _plan(**kw):
@@ -19,6 +20,9 @@ def _plan(**kw):
 
 
 def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
+    from ckpt_planner.first_pass import PROFILES
+
+    PROFILES.clear()  # a fresh profile: every stage runs
     with caplog.at_level(logging.INFO, logger="ckpt_planner"):
         model, inputs, plan = _plan(solver="auto")
         verify(model, plan, inputs, repeats=1)
@@ -28,7 +32,7 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
         assert any(m.startswith(f"{name}: done in") for m in messages), name
     # the order of the pipeline
     starts = [m.split(":")[0] for m in messages if ": start" in m]
-    assert starts == [*STAGES, "verify"]
+    assert starts == ["capture", "bytes", "profile", "step times", "solve", "check", "rewrite", "verify"]
     # the portfolio's own steps, from the torch-free solvers package
     solver_records = [r for r in caplog.records if r.name.startswith("ckpt_planner.solvers")]
     assert any("auto: running dp" in r.getMessage() for r in solver_records)
@@ -37,6 +41,9 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
 
 
 def test_progress_true_writes_to_stderr_without_a_tty(capsys) -> None:
+    from ckpt_planner.first_pass import PROFILES
+
+    PROFILES.clear()  # a fresh profile: every stage runs
     logger = logging.getLogger("ckpt_planner")
     handlers, level = list(logger.handlers), logger.level
     _plan(solver="dp", progress=True)

@@ -25,10 +25,29 @@ def _blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def _command_section() -> list[str]:
+    text = README.read_text()
+    return text[text.index("## Command line") :].split("\n## ")[0].splitlines()
+
+
 def _cli_lines() -> list[str]:
     """The README's command lines that run on its own models.py (and the report made from them)."""
     lines = [ln.split("#")[0].strip() for ln in README.read_text().splitlines() if ln.startswith("    ckpt-planner ")]
     return [ln for ln in lines if "models.py" in ln or ln.startswith("ckpt-planner report plan.json")]
+
+
+def _command_lines() -> list[str]:
+    """Every command line of the README's "Command line" section, in order: the models.py ones, the report,
+    the one-line `torch.export` recipe that makes model.pt2, and the `.pt2` ones."""
+    lines = [ln.strip() for ln in _command_section() if ln.startswith(("    ckpt-planner ", "    python -c "))]
+    return [ln.split("  #")[0].strip() if ln.startswith("ckpt-planner") else ln for ln in lines]
+
+
+def _setup_commands() -> list[str]:
+    """The README's two set-up commands: install and run the demo; install and run the tests."""
+    text = README.read_text()
+    section = text[text.index("## Set up on a fresh machine") : text.index("## Quickstart")]
+    return [ln.strip() for ln in section.splitlines() if ln.startswith("    python3 -m venv")]
 
 
 @contextlib.contextmanager
@@ -117,17 +136,27 @@ def test_callbacks_blocks_planned_and_measured(session) -> None:
 
 
 def test_cli_examples_run(tmp_path, monkeypatch) -> None:
+    """Every line of the README's command-line section, in order, as written: the `.pt2` ones on the
+    model.pt2 that the README's own one-line recipe makes."""
+    import subprocess
+    import sys
+
     from ckpt_planner.cli.cli import main
 
     models = next(b for b in _blocks() if b.startswith("# models.py"))
     (tmp_path / "models.py").write_text(models)
     monkeypatch.chdir(tmp_path)
-    lines = _cli_lines()
-    assert len(lines) >= 4
+    lines = _command_lines()
+    assert len(lines) >= 7 and any(".pt2" in ln for ln in lines)
+    assert set(_cli_lines()) <= set(lines)
     for line in lines:
+        if line.startswith("python -c "):
+            subprocess.run([sys.executable, *shlex.split(line)[1:]], check=True, cwd=tmp_path)
+            continue
         assert main(shlex.split(line)[1:]) == 0, line
     html = (tmp_path / "report.html").read_text()
     assert "<html" in html and "bench" in html.lower()
+    assert (tmp_path / "checkpointed" / "load.py").is_file()  # the .pt2 plan, applied
 
 
 def test_help_examples_are_the_readme_ones() -> None:

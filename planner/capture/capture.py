@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ from ..state import ModelState
 from .export_exact import match_eager_attention, recording_mask_skips
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
 from .shapes import export_dynamic
+
+logger = logging.getLogger("ckpt_planner.capture")
 
 __all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
 
@@ -207,6 +210,8 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
             if method == "symbolic_trace":
                 raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
             reason = _key_line(e)
+            # Normal for most library models (transformers): information, with the reason for whoever debugs.
+            logger.debug("symbolic_trace failed (%s); capturing with torch.export", reason)
     seen: list[str] = []
 
     def note(cls: type, run, a: tuple, k: dict) -> Any:

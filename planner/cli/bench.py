@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .report import _downsample, _fmt_bytes, fits_text
+from .report import _fmt_bytes, fits_text
+from .report_data import _downsample
 
 __all__ = ["measure_timeline", "step_times", "bench", "bench_table"]
 
@@ -83,11 +84,20 @@ def measure_timeline(
 
 
 def step_times(
-    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Callable, repeats: int = 3
-) -> tuple[float, float]:
-    """Median seconds of one forward + backward of `model` and of `module`, interleaved (after one warm-up each)."""
+    model: torch.nn.Module,
+    modules: torch.nn.Module | Sequence[torch.nn.Module],
+    args: tuple,
+    kwargs: dict,
+    loss_fn: Callable,
+    repeats: int = 3,
+) -> tuple[float, Any]:
+    """Median seconds of one forward + backward of `model` and of each of `modules`, in interleaved rounds
+    (after one warm-up each): (model's, module's) for one module, (model's, [each module's]) for a list.
+    A module that is the model itself is not timed twice: its figure is the model's."""
     from ..state import ModelState
 
+    single = isinstance(modules, torch.nn.Module)
+    mods = [modules] if single else list(modules)
     params = list(model.parameters())
     cuda = any(p.is_cuda for p in params)
 
@@ -102,14 +112,21 @@ def step_times(
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    timed = [m for m in mods if m is not model]
     with ModelState(model).preserved():
         model.train()
-        module.train()
-        once(model), once(module)
-        pairs = [(once(model), once(module)) for _ in range(max(1, repeats))]
+        for m in timed:
+            m.train()
+        once(model)
+        for m in timed:
+            once(m)
+        rounds = [(once(model), [once(m) for m in timed]) for _ in range(max(1, repeats))]
         for p in params:
             p.grad = None
-    return statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+    base = statistics.median(b for b, _ in rounds)
+    medians = iter([statistics.median(r[1][i] for r in rounds) for i in range(len(timed))])
+    out = [base if m is model else next(medians) for m in mods]
+    return (base, out[0]) if single else (base, out)
 
 
 def bench(
@@ -138,7 +155,7 @@ def bench(
     args, kwargs = normalize_inputs(example_inputs, model)
     state = list(model.parameters()) + list(model.buffers())
     rows: list[dict[str, Any]] = []
-    base_times: list[float] = []
+    modules: list[torch.nn.Module] = []
     budget_bytes = None
     for name in solver_names:
         try:
@@ -153,8 +170,7 @@ def bench(
         if name != "none":
             budget_bytes = plan.budget_bytes
         report = verify(model, plan, example_inputs, repeats=1)
-        base_s, step_s = step_times(model, plan.module, args, kwargs, default_loss)
-        base_times.append(base_s)
+        modules.append(plan.module)
         with ModelState(model).preserved():
             plan.module.train()
             timeline = measure_timeline(plan.module, args, kwargs, default_loss, state)
@@ -169,9 +185,6 @@ def bench(
                 "baseline_measured_peak_bytes": report.baseline_measured_peak_bytes,
                 "prediction_error": report.prediction_error,
                 "predicted_recompute_s": plan.predicted_recompute_s,
-                "step_s": step_s,
-                "baseline_step_s": base_s,
-                "step_time_ratio": step_s / max(1e-12, base_s),
                 "solve_time_s": plan.solve_time_s,
                 "exact": report.exact,
                 "max_abs_grad_diff": report.max_abs_grad_diff,
@@ -185,6 +198,13 @@ def bench(
     for row in rows:
         if row["solver"] == "none" and row["status"] == "ok":
             row["within_budget"] = budget_bytes is None or row["measured_peak_bytes"] <= budget_bytes
+    # One baseline for the header and every row: the model's own step, timed in the same interleaved
+    # rounds as every plan's module (a plan with no regions runs the model itself: x1.00 by construction).
+    base_s = None
+    if modules:
+        base_s, steps = step_times(model, modules, args, kwargs, default_loss)
+        for row, step_s in zip((r for r in rows if r["status"] == "ok"), steps):
+            row.update(step_s=step_s, baseline_step_s=base_s, step_time_ratio=step_s / max(1e-12, base_s))
     return {
         "schema": "ckpt-planner/bench",
         "version": 1,
@@ -192,7 +212,7 @@ def bench(
         "fingerprint": graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs)),
         "budget_bytes": budget_bytes,
         "baseline_peak_bytes": planner.baseline_peak_bytes,
-        "baseline_step_s": statistics.median(base_times) if base_times else None,
+        "baseline_step_s": base_s,
         "rows": rows,
     }
 

@@ -49,17 +49,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
     else:
         _out(args, plan.summary())
-        _out(
-            args,
-            f"verified: outputs {'equal' if report.outputs_equal else 'DIFFER'}, "
-            f"gradients {'bitwise equal' if report.grads_equal else f'max diff {report.max_abs_grad_diff:.3g}'}, "
-            f"buffers {'equal' if report.buffers_equal else 'DIFFER'}; "
-            f"measured peak {_fmt(report.measured_peak_bytes)} "
-            f"({100 * report.prediction_error:+.1f} % predicted vs measured), "
-            f"{'within' if report.within_budget else 'OVER'} the budget; "
-            f"step time x{report.step_time_ratio:.2f} of no checkpointing"
-        )
+        _out(args, verdict_line(report))
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def verdict_line(report) -> str:
+    """One line: did the plan's step equal the model's, and did it stay within the budget (demo, plan --verify)."""
+    return (
+        f"verified: outputs {'equal' if report.outputs_equal else 'DIFFER'}, "
+        f"gradients {'bitwise equal' if report.grads_equal else f'max diff {report.max_abs_grad_diff:.3g}'}, "
+        f"buffers {'equal' if report.buffers_equal else 'DIFFER'}; "
+        f"measured peak {_fmt(report.measured_peak_bytes)} "
+        f"({100 * report.prediction_error:+.1f} % predicted vs measured), "
+        f"{'within' if report.within_budget else 'OVER'} the budget; "
+        f"step time x{report.step_time_ratio:.2f} of no checkpointing"
+    )
 
 
 def _report_dict(report) -> dict:
@@ -106,11 +110,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
         return EXIT_OK
-    _out(args, f"{'node':<28} {'target':<34} {'module':<24} {'saved':>10} {'output':>10} {'time ms':>8}")
+    # Columns as wide as their longest entry: names are never cut (they are what `plan` files and notes cite).
+    w = {k: max([len(k), *(len(r[k]) for r in rows)]) for k in ("node", "target", "module")}
+    _out(args, f"{'node':<{w['node']}} {'target':<{w['target']}} {'module':<{w['module']}} "
+               f"{'saved':>10} {'output':>10} {'time ms':>8}")
     for r in rows:
         _out(
             args,
-            f"{r['node'][:28]:<28} {r['target'][:34]:<34} {r['module'][:24]:<24} "
+            f"{r['node']:<{w['node']}} {r['target']:<{w['target']}} {r['module']:<{w['module']}} "
             f"{_fmt(r['saved_bytes']):>10} {_fmt(r['out_bytes']):>10} {r['time_s'] * 1e3:>8.3f}"
         )
     _out(
@@ -224,15 +231,16 @@ def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
         raise better from None
 
 
-def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar):
-    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan."""
+def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
+    `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
     from ..api import Planner
     from ..capture.preflight import nothing_to_plan
 
     with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
         planner = Planner(
             loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
-            exact_check=getattr(args, "exact_check", True),
+            exact_check=getattr(args, "exact_check", True), feasible_for=feasible_for,
         )
     empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
     if empty is not None:
@@ -282,7 +290,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
-        planner = _planner(args, loaded, inputs, record, bar)
+        budget = _budget_kwargs(args)
+        early = {**budget, "solver": args.solver} if any(v is not None for v in budget.values()) and not args.compile else None
+        planner = _planner(args, loaded, inputs, record, bar, feasible_for=early)
         with _stage(bar, f"solving ({args.solver})"):
             if args.compile:
                 from ..compile.compiled import CompiledPlanner
@@ -295,16 +305,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         bar.set_description_str("timeline and memory/overhead curves")
         plan.stats.update(rep.plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}
-        ok, failure = True, ""
+        ok, failure, verdict = True, "", ""
         if args.verify:
             with _stage(bar, "verifying"):
-                ok, failure = _verify_into(plan, model, inputs)
+                ok, failure, verdict = _verify_into(plan, model, inputs)
     if out is not None and ok:
         _write_atomic(out, json.dumps(plan.to_dict(), indent=2))  # as Plan.save writes it
     if args.json:
         _out(args, json.dumps(plan.to_dict(), indent=2))
     else:
         _say(args, plan.summary())
+        if verdict:
+            _say(args, verdict)
         if out is not None and ok:
             _say(args, f"plan written to {out}")
     if not ok:
@@ -327,7 +339,7 @@ def _curve_solvers(args: argparse.Namespace) -> list[str]:
     return [s for s in sorted(solvers.SOLVERS) if s not in ("none", "auto", "bruteforce")]
 
 
-def _verify_into(plan, model, inputs) -> tuple[bool, str]:
+def _verify_into(plan, model, inputs) -> tuple[bool, str, str]:
     from ..verify import verify
 
     report = verify(model, plan, inputs)
@@ -339,7 +351,7 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str]:
         problems.append(f"results differ from the original: {report.mismatch()}")
     if not report.within_budget:
         problems.append(f"measured peak {_fmt(report.measured_peak_bytes)} is over the budget {_fmt(report.budget_bytes)}")
-    return not problems, "; ".join(problems)
+    return not problems, "; ".join(problems), verdict_line(report)
 
 
 def _load_plan(path: str):

@@ -101,7 +101,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 _EPILOGS = {
-    "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,224,224 --budget-gb 4 --solver dp --verify -o plan.json\n"
+    "plan": "example:\n  ckpt-planner plan model.pt2 --input 8,3,32,32 --activation-budget 0.5 --solver dp --verify -o plan.json\n"
             "  ckpt-planner plan models.py:make_gpt --input input_ids=2,128:int64:0-8192 --input labels=2,128:int64:0-8192 "
             "--activation-budget 0.75 -o plan.json",
     "apply": "example:\n  ckpt-planner apply model.pt2 plan.json -o checkpointed/\n"

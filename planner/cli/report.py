@@ -20,10 +20,14 @@ import html
 import io
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from .report_data import _downsample, curve_data, plan_data, step_overhead, timeline_data  # noqa: F401 - re-exported
+
 __all__ = [
+    "measured_series",
+    "step_overhead",
     "timeline_data",
     "curve_data",
     "plan_data",
@@ -32,101 +36,7 @@ __all__ = [
     "render",
 ]
 
-_MAX_POINTS = 1500
 _OWN_STATS = ("timeline", "curves", "cli", "verify")
-
-
-def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) -> tuple[list[int], list[str]]:
-    """At most `limit` points; each kept point is the maximum of its bucket, so the peak is always kept."""
-    n = len(values)
-    if n <= limit:
-        return list(values), list(labels)
-    out_v, out_l = [], []
-    for b in range(limit):
-        lo, hi = b * n // limit, (b + 1) * n // limit
-        k = max(range(lo, max(hi, lo + 1)), key=values.__getitem__)
-        out_v.append(values[k])
-        out_l.append(labels[k])
-    return out_v, out_l
-
-
-def timeline_data(problem: Any, regions: Sequence[tuple[int, int]]) -> dict[str, Any]:
-    """Predicted live bytes after every simulator event of one step (forward, recompute, backward)."""
-    from ..solvers import simulate
-
-    sim = simulate(problem, regions, timeline=True)
-    values = [int(b) for _, _, b in sim.timeline]
-    phases = [p for p, _, _ in sim.timeline]
-    values, phases = _downsample(values, phases)
-    return {"bytes": values, "phase": phases, "peak_bytes": sim.peak_bytes, "events": len(sim.timeline)}
-
-
-def curve_data(
-    problem: Any,
-    solver_names: Sequence[str],
-    *,
-    points: int = 8,
-    forward_s: float = 0.0,
-    tick: Callable[[], None] | None = None,
-) -> dict[str, list[dict[str, Any]]]:
-    """Per solver, (peak bytes, recompute seconds) at `points` budgets from the fixed memory to the baseline peak.
-
-    Uses `solvers.sweep` when it exists, else one solve per budget; infeasible budgets are left out.
-    `tick` is called once per solver (progress bars).
-    """
-    from .. import solvers
-    from ..solvers import InfeasibleBudgetError, simulate
-
-    base = simulate(problem, ()).peak_bytes
-    fixed = problem.fixed_bytes
-    budgets = [int(fixed + (base - fixed) * (k + 1) / points) for k in range(points)] if points > 0 else []
-    sweep = getattr(solvers, "sweep", None)
-    curves: dict[str, list[dict[str, Any]]] = {}
-    for name in solver_names:
-        if sweep is not None:
-            found = list(sweep(problem, budgets, solver=name))
-        else:
-            found = []
-            for b in budgets:
-                try:
-                    found.append(solvers.solve(problem, b, name))
-                except InfeasibleBudgetError:
-                    found.append(None)
-        curves[name] = [
-            {
-                "budget_bytes": b,
-                "peak_bytes": s.peak_bytes,
-                "recompute_s": s.recompute_time,
-                "overhead": s.recompute_time / forward_s if forward_s > 0 else 0.0,
-                "regions": len(s.regions),
-            }
-            for b, s in zip(budgets, found)
-            if s is not None
-        ]
-        if tick is not None:
-            tick()
-    return curves
-
-
-def plan_data(
-    plan: Any, problem: Any, curve_solvers: Sequence[str], points: int, *, tick: Callable[[], None] | None = None
-) -> dict[str, Any]:
-    """What the report needs beyond the plan's own figures: `timeline` and `curves`, for plan.stats."""
-    forward = problem.total_time
-    return {
-        "timeline": {"plan": timeline_data(problem, plan.spans()), "baseline": timeline_data(problem, ())},
-        "curves": {
-            "solvers": curve_data(problem, curve_solvers, points=points, forward_s=forward, tick=tick),
-            "baseline": {"peak_bytes": plan.baseline_peak_bytes, "recompute_s": 0.0, "overhead": 0.0},
-            "plan": {
-                "solver": plan.solver,
-                "peak_bytes": plan.predicted_peak_bytes,
-                "recompute_s": plan.predicted_recompute_s,
-                "overhead": plan.predicted_recompute_s / forward if forward > 0 else 0.0,
-            },
-            "forward_s": forward,
-        },
-    }
 
 
 # -- rendering ------------------------------------------------------------------
@@ -169,21 +79,41 @@ def summary_rows(plan: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
             base - pred,
             f"{_fmt_bytes(base - pred)} ({100 * (base - pred) / max(1, base):.1f} %)",
         ),
-        (
-            "predicted_recompute_s",
-            "recompute overhead",
-            rec,
-            f"{rec * 1e3:.2f} ms = {100 * rec / fwd if fwd > 0 else 0.0:.1f} % of the forward ({plan.get('time_source', 'measured')} times)",
-        ),
+        _overhead_row(plan, rec, fwd),
         (
             "regions",
             "recomputed regions",
             len(plan["regions"]),
-            f"{len(plan['regions'])} ({sum(1 for r in plan['regions'] if r.get('depth'))} nested)",
+            # the terminal summary's words and counts (Plan.summary)
+            f"{len(plan['regions'])} ({sum(1 for r in plan['regions'] if r.get('depth'))} nested, "
+            f"{sum(1 for r in plan['regions'] if r.get('saved_ops'))} selective, "
+            f"{sum(len(r.get('saved_positions') or ()) for r in plan['regions'])} ops kept)",
         ),
         ("fingerprint", "graph fingerprint", plan["fingerprint"], plan["fingerprint"]),
     ]
     return rows
+
+
+def _overhead_row(plan: dict[str, Any], rec: float, fwd: float) -> tuple[str, str, Any, str]:
+    """The summary's one overhead: the predicted step against eager with its parts (as Plan.summary), or,
+    for a plan file without step times, the recompute against the forward."""
+    eager, step = plan.get("eager_step_s") or 0.0, plan.get("predicted_step_s") or 0.0
+    if eager > 0:
+        return (
+            "predicted_step_s",
+            "predicted step time",
+            step,
+            f"{step * 1e3:.1f} ms against {eager * 1e3:.1f} ms eager: {100 * (step / eager - 1):+.1f} % = recompute "
+            f"{rec * 1e3:.1f} ms (checkpoint calls {(plan.get('call_overhead_s') or 0.0) * 1e3:.1f} ms of it) + "
+            f"captured graph {(plan.get('graph_overhead_s') or 0.0) * 1e3:.1f} ms"
+            + (" (FLOP estimate)" if plan.get("time_source") == "flops" else ""),
+        )
+    return (
+        "predicted_recompute_s",
+        "recompute overhead",
+        rec,
+        f"{rec * 1e3:.2f} ms = {100 * rec / fwd if fwd > 0 else 0.0:.1f} % of the forward ({plan.get('time_source', 'measured')} times)",
+    )
 
 
 def _png(fig) -> bytes:
@@ -281,9 +211,8 @@ def _timeline_figure(plt: Any, plan: dict[str, Any], timeline: dict, measured: d
             start = next((i for i, ph in enumerate(phases) if ph != "forward"), None)
             if start:
                 ax.axvline(start / max(1, len(phases) - 1), color="C0", ls="-.", lw=0.8, label="backward starts (plan)")
-        for name, style in (("none", "C7--"), (plan["solver"], "C3--")):
-            if name in measured:
-                _plot_series(ax, measured[name], f"{'no checkpointing' if name == 'none' else name}, measured", style)
+        for label, series, style in measured_series(measured):
+            _plot_series(ax, series, label, style)
         if plan.get("budget_bytes"):
             ax.axhline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
         ax.set_xlabel("progress through the step (forward, then backward with recompute)")
@@ -291,6 +220,15 @@ def _timeline_figure(plt: Any, plan: dict[str, Any], timeline: dict, measured: d
         ax.set_title("Memory over one training step (dots: each series' peak)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         out["timeline"] = _png(fig)
+
+
+def measured_series(measured: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """(legend label, series, style) of every measured timeline a bench file holds, one per solver row."""
+    out = []
+    for i, (name, series) in enumerate(measured.items()):
+        label = f"{'no checkpointing' if name == 'none' else name}, measured"
+        out.append((label, series, "C7--" if name == "none" else f"C{3 + i % 6}--"))
+    return out
 
 
 def _curve_figure(plt: Any, plan: dict[str, Any], curves: dict, out: dict[str, bytes]) -> None:
@@ -323,7 +261,8 @@ def _curve_figure(plt: Any, plan: dict[str, Any], curves: dict, out: dict[str, b
         if plan.get("budget_bytes"):
             ax.axvline(plan["budget_bytes"] / 1e6, color="C1", ls=":", label="budget")
         ax.set_xlabel("predicted peak memory (MB)")
-        ax.set_ylabel("recompute (% of forward time)")
+        ax.set_ylabel("predicted step time over eager (%)" if curves.get("overhead") == "step"
+                      else "recompute (% of forward time)")
         ax.set_title("Memory / overhead trade-off per solver")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         out["curve"] = _png(fig)
@@ -397,10 +336,23 @@ def _bench_rows(bench: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _flat(prefix: str, value: Any) -> list[list[str]]:
+    """One row per plain value: nested objects become dotted names, lists of plain values one text."""
+    if isinstance(value, dict) and value:
+        return [row for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) for row in _flat(f"{prefix}.{k}", v)]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
+        return [row for i, v in enumerate(value) for row in _flat(f"{prefix}[{i}]", v)]
+    if isinstance(value, (list, tuple)):
+        return [[prefix, ", ".join(str(v) for v in value) or "(none)"]]
+    if isinstance(value, float):
+        return [[prefix, f"{value:.6g}"]]
+    return [[prefix, "(none)" if value is None or value == {} else str(value)]]
+
+
 def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:
     stats = {k: v for k, v in plan.get("stats", {}).items() if k not in _OWN_STATS}
-    rows = [[k, json.dumps(v, default=str) if not isinstance(v, str) else v] for k, v in sorted(stats.items())]
-    rows += [[f"option {k}", json.dumps(v, default=str)] for k, v in sorted(plan.get("solver_options", {}).items())]
+    rows = [row for k, v in sorted(stats.items()) for row in _flat(k, v)]
+    rows += [row for k, v in sorted(plan.get("solver_options", {}).items()) for row in _flat(f"option {k}", v)]
     return rows
 
 

@@ -1,0 +1,102 @@
+"""Bytes before seconds: the byte side of a profile, and measured profiles reused within a process.
+
+Timing a model is most of what planning costs (each node run several times, the step calibrated),
+and none of it decides whether a budget can be met: feasibility is decided from bytes alone
+(planner/budget.py). So when a budget is given, `Planner` first profiles one recorded step with
+FLOP times (`bytes_config`: the same recorded run, allocator readings included, that the timed
+profile records, without its timed runs), refuses an infeasible budget from it, and times the model
+only for a budget that can be met.
+
+Measured times follow the machine's load, and the timing store heals a time measured clearly lower
+later (planner/profile/timing_store.py). Two plans of one model in one process must not be priced on
+two different profiles (a tighter budget would look cheaper because the second call timed a quieter
+machine), so a measured profile is kept for the process (`ProfileMemo`), keyed by the captured graph,
+the values of every parameter, buffer and input tensor, and the profile settings, and
+the next `Planner` of the same model and inputs reads it instead of timing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .profile.graph import CostGraph
+from .profile.profile import ProfileConfig
+from .profile.timing_store import store_dir
+
+__all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES"]
+
+
+def bytes_config(config: ProfileConfig) -> ProfileConfig:
+    """The profile settings of the byte pass: one recorded step, FLOP times, no timing and no call costs."""
+    return dataclasses.replace(config, flop_times=True, count_flops=True, overheads=False, anchor=False, timing_store=False)
+
+
+def needs_bytes_pass(config: ProfileConfig) -> bool:
+    """A byte pass first only where the profile times the model (FLOP-timed and fake profiles are that pass)."""
+    return not (config.meta or config.flop_times)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # identity and in-place version: an optimizer step or a load_state_dict bumps the version
+    return (id(t), t._version, tuple(t.shape), str(t.dtype), str(t.device))
+
+
+def _values_key(tree: Any) -> str:
+    """Tensors by value (token ids and masks decide which path attention takes; weights, an MoE's routing)."""
+    from torch.utils import _pytree as pytree
+
+    h = hashlib.sha256()
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach()
+            h.update(f"{tuple(t.shape)}{t.dtype}{t.device}".encode())
+            try:
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            except (RuntimeError, TypeError):  # not on the CPU, or not strided: identity and version
+                h.update(repr(_tensor_key(t)).encode())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+class ProfileMemo:
+    """Measured profiles of this process, newest last (at most `size`)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple, CostGraph] = OrderedDict()
+
+    def key(self, model: torch.nn.Module, cap: Any, config: ProfileConfig, extra: tuple = ()) -> tuple | None:
+        """The key of a measured profile of `cap`, or None when none is kept (FLOP times, fake tensors,
+        or the timing store off: `CKPT_PLANNER_TIMINGS=off` asks for every profile measured afresh)."""
+        folder = store_dir()
+        if not needs_bytes_pass(config) or not config.timing_store or folder is None:
+            return None
+        state = _values_key(list(model.parameters()) + list(model.buffers()))
+        return (cap.graph_module.code, cap.method, state, _values_key((cap.args, cap.kwargs)), repr(config), str(folder), extra)
+
+    def get(self, key: tuple | None) -> CostGraph | None:
+        if key is None or key not in self._items:
+            return None
+        self._items.move_to_end(key)
+        return self._items[key]
+
+    def put(self, key: tuple | None, cost: CostGraph) -> None:
+        if key is None:
+            return
+        self._items[key] = cost
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+PROFILES = ProfileMemo()
+"""The process's measured profiles (Planner reads and fills it)."""
