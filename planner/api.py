@@ -22,13 +22,13 @@ from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
-from .first_pass import PROFILES, bytes_config, needs_bytes_pass
 from .lower.chunk import ChunkSpec, chunk_capture
 from .lower.rewrite import rewrite, safe_regions
 from .partial import PartialPlanner
 from .plan import Plan
 from .profile.autotune import autotune_solution, device_measure, steps_for
 from .profile.costfit import learned
+from .profile.first_pass import PROFILES, bytes_config, needs_bytes_pass
 from .profile.profile import ProfileConfig, profile
 from .profile.timing import with_step_times
 from .profile.timing_store import open_store
@@ -312,7 +312,7 @@ class Planner:
             memo = PROFILES.key(model, self.capture, config)
             self.cost = PROFILES.get(memo)
             if self.cost is None and feasible_for is not None and needs_bytes_pass(config):
-                # Bytes first (planner/first_pass.py): an infeasible budget is refused before any timing.
+                # Bytes first (planner/profile/first_pass.py): an infeasible budget is refused before any timing.
                 with stage("bytes", "one recorded step, no timing: can the budget be met?"):
                     self._set_cost(profile(self.capture, bytes_config(config)), optimizer, world_size, sharding, config)
                     self.check_feasible(**feasible_for)

@@ -319,7 +319,7 @@ def test_refit_with_one_region_count_fits_the_scale_alone():
 
 def test_refit_applies_to_the_next_solve_and_does_not_feed_on_itself(tmp_path):
     store = TimingStore(tmp_path / "t.json")
-    store.keep("overheads", costfit.KEY, {"rows": _rows(2.0, 5.0)})
+    store.keep(costfit.TABLE, costfit.KEY, {"rows": _rows(2.0, 5.0)})
     problem = dataclasses.replace(blocks_problem(), region_overhead_s=1.0)
     refit, found = costfit.learned(problem, store)
     assert found.scale == pytest.approx(2.0) and refit.region_overhead_s == pytest.approx(5.0)
@@ -342,7 +342,7 @@ def test_remember_keeps_the_last_rows_in_the_store(tmp_path):
     store = TimingStore(path)
     costfit.remember(store, problem, record)
     costfit.remember(store, problem, record)
-    rows = TimingStore(path).get("overheads", costfit.KEY)["rows"]
+    rows = TimingStore(path).get(costfit.TABLE, costfit.KEY)["rows"]
     assert len(rows) == costfit.MAX_ROWS
 
 
@@ -363,7 +363,7 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
                                      measure=measure, differs=lambda r, s: False)
     rec = result.stats["autotune"]
     assert len(rec["candidates"]) >= 2 and rec["band"] == (at.MAX_BAND if noisy else at.MIN_BAND)
-    rows = (TimingStore(tmp_path / "t.json").get("overheads", costfit.KEY) or {}).get("rows", [])
+    rows = (TimingStore(tmp_path / "t.json").get(costfit.TABLE, costfit.KEY) or {}).get("rows", [])
     assert (rows == []) == noisy
     if not noisy:  # every row says: measured extra = 2 x predicted
         assert all(r[2] == pytest.approx(2 * r[0] + r[1] * r[4]) for r in rows)

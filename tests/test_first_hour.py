@@ -167,7 +167,7 @@ def test_plan_without_regions_runs_the_model_and_predicts_no_overhead():
 def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch, tmp_path, caplog):
     """Times measured later are lower here (a machine that got quieter): the second call must not see them,
     or a tighter budget could look cheaper than a looser one."""
-    from ckpt_planner.first_pass import PROFILES
+    from ckpt_planner.profile.first_pass import PROFILES
 
     monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
     PROFILES.clear()

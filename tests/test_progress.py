@@ -9,7 +9,7 @@ from ckpt_planner.profile.profile import ProfileConfig
 
 from .models import mlp
 
-# bytes: the byte pass that decides feasibility before any timing (first_pass.py); check: the safety net
+# bytes: the byte pass that decides feasibility before any timing (profile/first_pass.py); check: the safety net
 STAGES = ("capture", "bytes", "profile", "solve", "check", "rewrite")
 
 
@@ -20,7 +20,7 @@ def _plan(**kw):
 
 
 def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
-    from ckpt_planner.first_pass import PROFILES
+    from ckpt_planner.profile.first_pass import PROFILES
 
     PROFILES.clear()  # a fresh profile: every stage runs
     with caplog.at_level(logging.INFO, logger="ckpt_planner"):
@@ -41,7 +41,7 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
 
 
 def test_progress_true_writes_to_stderr_without_a_tty(capsys) -> None:
-    from ckpt_planner.first_pass import PROFILES
+    from ckpt_planner.profile.first_pass import PROFILES
 
     PROFILES.clear()  # a fresh profile: every stage runs
     logger = logging.getLogger("ckpt_planner")

@@ -11,7 +11,7 @@ call, the RNG state it saves, allocator churn). Each measured candidate is one r
 and the rows of every round on the device (the last MAX_ROWS, each weighted by 1 / its step so that
 models of every size count alike) are fitted by least squares: `scale` multiplies every node time and
 the hook and dispatch costs, `per_region` replaces the measured call cost. The rows are kept in the
-timing store (table `overheads`, key `learned`), so the next solve on that device, on any model,
+timing store (table `learned`: records, not times, so its rows are checked here), so the next solve on that device, on any model,
 predicts with the refit. Rows are stored in the terms of the unrefitted profile, so a refit never
 feeds on itself.
 """
@@ -19,6 +19,7 @@ feeds on itself.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from .timing_store import TimingStore
 
 __all__ = ["KEY", "MAX_ROWS", "Fit", "rows_of", "fit", "remember", "learned"]
 
+TABLE = "learned"  # the timing store's table of records (its rows are checked here, not as times)
 KEY = "learned"
 MAX_ROWS = 64
 MIN_ROWS = 3
@@ -85,23 +87,32 @@ def fit(rows: Sequence[Sequence[float]]) -> Fit | None:
     return Fit(scale, float(np.median(call)), len(rows))
 
 
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _rows(entry: Any) -> list[list[float]]:
+    """The stored rows that are rows: five finite numbers each (a hand-edited store loses the rest)."""
+    rows = entry.get("rows", []) if isinstance(entry, dict) else []
+    return [r for r in rows if isinstance(r, list) and len(r) == 5 and all(_finite(v) for v in r)] if isinstance(rows, list) else []
+
+
 def remember(store: TimingStore, problem: Problem, record: dict[str, Any]) -> None:
     """Add an autotune record's rows to the store's (the last MAX_ROWS kept) and save."""
     rows = rows_of(problem, record)
     if not rows:
         return
-    entry = store.get("overheads", KEY)
-    old = entry.get("rows", []) if isinstance(entry, dict) else []
-    old = [r for r in old if isinstance(r, list) and len(r) == 5 and all(isinstance(v, (int, float)) for v in r)]
-    store.keep("overheads", KEY, {"rows": (old + rows)[-MAX_ROWS:]})
+    entry = store.get(TABLE, KEY)
+    old = _rows(entry)
+    store.keep(TABLE, KEY, {"rows": (old + rows)[-MAX_ROWS:]})
     store.save()
 
 
 def learned(problem: Problem, store: TimingStore) -> tuple[Problem, Fit | None]:
     """`problem` with the device's refit applied (node times, hooks and dispatch scaled; the call cost
     replaced), and the fit; `problem` itself when the store has too few rows."""
-    entry = store.get("overheads", KEY)
-    found = fit(entry["rows"]) if isinstance(entry, dict) and isinstance(entry.get("rows"), list) else None
+    entry = store.get(TABLE, KEY)
+    found = fit(_rows(entry))
     if found is None:
         return problem, None
     s = found.scale

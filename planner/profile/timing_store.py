@@ -199,7 +199,7 @@ def _valid(value: Any) -> bool:
 
 
 def _empty() -> dict[str, dict[str, Any]]:
-    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}}
+    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}, "learned": {}}
 
 
 def _read_own(path: Path) -> str | None:

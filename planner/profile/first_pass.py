@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .profile.graph import CostGraph
-from .profile.profile import ProfileConfig
-from .profile.timing_store import store_dir
+from .graph import CostGraph
+from .profile import ProfileConfig
+from .timing_store import store_dir
 
 __all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES"]
 
