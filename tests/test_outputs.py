@@ -15,6 +15,8 @@ import torch
 from ckpt_planner.cli import outputs
 from ckpt_planner.cli.cli import main
 
+from tests.cli_checks import one_line, run
+
 FACTORY = '''
 import torch
 from ckpt_planner.cli.examples import MLPChain
@@ -37,16 +39,6 @@ def made(tmp_path_factory) -> dict:
     return {"factory": fac, "plan": plan}
 
 
-def run(argv: list, capsys) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    _, err = capsys.readouterr()
-    return code, err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def leftovers(folder: Path) -> list[str]:

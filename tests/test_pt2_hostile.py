@@ -24,6 +24,8 @@ from ckpt_planner.cli.examples import MLPChain
 from ckpt_planner.cli.loading import load_model
 from ckpt_planner.errors import InputError
 
+from tests.cli_checks import one_line, run
+
 
 class EvalPayload:
     """Unpickling this evaluates Python that creates the marker file (`__reduce__` is `eval`), then
@@ -36,16 +38,6 @@ class EvalPayload:
         return (eval, (f"(open({self.marker!r}, 'w').close(), {self.value})[1]",))
 
 
-def run(argv: list, capsys) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    _, err = capsys.readouterr()
-    return code, err
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -168,27 +167,16 @@ def _stage(bar, desc: str) -> Iterator[None]:
 
 
 def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
-    """Fail before any work when `path` cannot be written (InputError, exit 2)."""
-    from ..errors import InputError
+    """Fail before any work when `path` cannot be written (an InputError, exit 2; outputs.py)."""
+    from .outputs import check_output_file, check_parent
 
     p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{what} {path!r}: directory {str(parent)!r} does not exist")
-    if folder:
-        from .applied import check_output_folder
-
-        check_output_folder(p)
-    else:
-        from .outputs import check_output_file
-
+    if not folder:
         return check_output_file(p, what)  # a regular file or nothing: never a device, fifo or socket
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".ckpt-planner-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise InputError(f"{what} {path!r}: directory {str(parent)!r} is not writable ({e.strerror})") from None
+    from .applied import check_output_folder
+
+    check_parent(p, what)
+    check_output_folder(p)
     return p
 
 

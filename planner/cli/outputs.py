@@ -49,19 +49,24 @@ def _not_a_file(path: Path) -> str | None:
 def check_output_file(path: str | os.PathLike, what: str) -> Path:
     """Refuse, before any work, an output that is not a regular file or cannot be written (OutputError)."""
     p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} does not exist")
+    check_parent(p, what)
     kind = _not_a_file(p)
     if kind is not None:
         raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
+    return p
+
+
+def check_parent(p: Path, what: str) -> None:
+    """The folder `p` goes in exists and takes a new file (OutputError naming it otherwise)."""
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} does not exist")
     try:
         fd, probe = tempfile.mkstemp(prefix=".ckpt-planner-probe-", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} is not writable ({e.strerror})") from None
-    return p
 
 
 def _new_file_mode() -> int:
