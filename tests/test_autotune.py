@@ -13,6 +13,7 @@ import pytest
 import torch
 from ckpt_planner import api, optimize
 from ckpt_planner.errors import InputError
+from ckpt_planner.lower import apply as apply_mod
 from ckpt_planner.plan import Plan
 from ckpt_planner.profile import autotune as at
 from ckpt_planner.profile import costfit
@@ -111,12 +112,37 @@ def test_a_prediction_inside_the_margin_takes_part_its_measurement_decides():
     inner = budget - 40  # the solvers plan for less: every_2 sits inside the margin
     solver = at._candidate(problem, "solver", solve(problem, inner, "dp").regions, (), None)
     picked = at.candidates(problem, solver, budget, inner, limit=100)
-    admit = budget
+    admit = budget + (budget - inner)  # over the budget by less than the margin takes part too
     expected = {(p.regions, p.saved) for p in structured_plans(problem, inner)
                 if simulate(problem, p.regions, saved=p.saved).peak_bytes <= admit} - {(solver.regions, solver.saved)}
     assert picked[0] == solver
     assert {(c.regions, c.saved) for c in picked[1:]} == expected
     assert (every_2.regions, ()) in expected
+
+
+def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_applies(tmp_path):
+    problem = blocks_problem(layers=6)
+    every_2 = next(p for p in every_n_plans(problem) if p.name == "every_2")
+    predicted = simulate(problem, every_2.regions).peak_bytes
+    budget = predicted - 10  # every_2 is predicted 10 bytes over the budget ...
+    inner = budget - 40  # ... less than the safety margin
+    solution = solve(problem, inner, "dp")
+    assert tuple(solution.regions) != every_2.regions
+
+    def measure(cands, rounds):  # every plan measures 20 bytes under its prediction; every_2 is fastest
+        return ([m(c.predicted_peak_bytes - 20, *[1.0 if c.regions == every_2.regions else 2.0] * rounds)
+                 for c in cands], [0.5] * rounds)
+
+    result, notes = at.autotune_solution(problem, solution, budget, inner, steps=30, key="k",
+                                         store=TimingStore(tmp_path / "t.json"), measure=measure,
+                                         differs=lambda r, s: False, learn=False)
+    assert tuple(result.regions) == every_2.regions and result.peak_bytes > budget
+    assert any("measured at" in n and "within it" in n for n in notes)
+    # Plan.apply takes the measurement too, for exactly the chosen regions and no others
+    plan = dataclasses.make_dataclass("P", ["stats"])(result.stats)
+    assert apply_mod.measured_fit(plan, every_2.regions)
+    assert not apply_mod.measured_fit(plan, every_2.regions[:-1])
+    assert not apply_mod.measured_fit(dataclasses.make_dataclass("P", ["stats"])({}), every_2.regions)
 
 
 def test_ties_within_the_noise_band_go_to_the_predicted_fastest():
@@ -129,8 +155,19 @@ def test_ties_within_the_noise_band_go_to_the_predicted_fastest():
 def test_noise_band_is_the_rounds_spread_within_its_bounds():
     quiet = [m(1, 1.0, 1.0, 1.0, 1.0)]
     noisy = [m(1, 1.0, 2.0, 3.0, 4.0)]
-    assert at.noise_band(quiet, [1.0, 1.0]) == at.MIN_BAND
-    assert at.noise_band(noisy, [1.0, 2.0, 3.0]) == at.MAX_BAND
+    assert at.noise_band(quiet, [1.0] * 4) == at.MIN_BAND
+    assert at.noise_band(noisy, [1.0] * 4) == at.MAX_BAND
+    assert at.noise_band(noisy, []) == at.MAX_BAND  # no plain-graph steps: the candidates' own spread
+
+
+def test_noise_band_is_paired_so_a_load_on_the_whole_round_cancels():
+    # every module slowed alike, round by round (another process on the machine): the plans are still
+    # told apart, where the spread of each candidate's steps alone would call everything a tie
+    load = [1.0, 1.6, 1.1, 2.0, 1.3]
+    measured = [m(1, *[1.05 * x for x in load]), m(1, *[1.20 * x for x in load])]
+    assert at.noise_band(measured, load) == at.MIN_BAND
+    assert at.noise_band(measured, []) == at.MAX_BAND
+    assert at.choose([cand("a", 2.0), cand("b", 1.0)], measured, budget=100, band=at.MIN_BAND) == 0
 
 
 @pytest.mark.parametrize("cap", [0, 3, 7, 12, 30, 100])
@@ -355,9 +392,10 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
     store = TimingStore(tmp_path / "t.json")
 
     def measure(cands, rounds):
+        # noise of each candidate's own (the plain graph's steps stay put), so the paired band sees it
         spread = (lambda k: 1.0 + k) if noisy else (lambda k: 1.0)
         return ([m(c.predicted_peak_bytes, *[(100 + 2 * c.predicted_extra_s) * spread(k) for k in range(rounds)])
-                 for c in cands], [100.0 * spread(k) for k in range(rounds)])
+                 for c in cands], [100.0] * rounds)
 
     result, _ = at.autotune_solution(problem, solution, budget, budget, steps=30, key="k", store=store,
                                      measure=measure, differs=lambda r, s: False)

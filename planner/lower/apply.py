@@ -70,6 +70,20 @@ class _State:
     """Persistent buffers of the module, restored after a recompute (BatchNorm statistics)."""
 
 
+def measured_fit(plan: Any, spans: Sequence[tuple[int, int]]) -> bool:
+    """True when autotune chose exactly these regions and measured their step within the plan's budget
+    (a plan predicted over its budget by less than the safety margin can win on its measurement). Kept
+    ops only add memory, so the regions without them fit too."""
+    record = plan.stats.get("autotune") if isinstance(plan.stats, dict) else None
+    for c in (record or {}).get("candidates", []) if isinstance(record, dict) else []:
+        if isinstance(c, dict) and c.get("chosen") and c.get("fits") is True:
+            try:
+                return [tuple(int(x) for x in r) for r in c.get("regions", [])] == [tuple(r) for r in spans]
+            except (TypeError, ValueError):
+                return False
+    return False
+
+
 # -- the checkpointed forward ---------------------------------------------------
 
 
@@ -323,7 +337,8 @@ def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = F
         return Application(modules=applied, aligned=False, budget_bytes=plan.budget_bytes, notes=tuple(notes))
     spans_used, spans, misaligned = module_aligned(problem, model, plan.spans(), plan.budget_bytes)
     sim = simulate(problem, spans_used)
-    if plan.budget_bytes is not None and sim.peak_bytes > plan.budget_bytes and not allow_over_budget:
+    over = plan.budget_bytes is not None and sim.peak_bytes > plan.budget_bytes and not measured_fit(plan, spans_used)
+    if over and not allow_over_budget:
         least = simulate(problem, module_aligned(problem, model, plan.spans(), 0)[0]).peak_bytes
         raise InfeasibleBudgetError(
             plan.budget_bytes,
@@ -344,7 +359,7 @@ def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = F
             f"whole modules instead; predicted peak {sim.peak_bytes / 1e6:.2f} MB (plan {plan.predicted_peak_bytes / 1e6:.2f} MB), "
             f"recompute {sim.recompute_time * 1e3:.1f} ms (plan {plan.predicted_recompute_s * 1e3:.1f} ms)"
         )
-    if plan.budget_bytes is not None and sim.peak_bytes > plan.budget_bytes:
+    if over:
         notes.append(
             f"applied over budget (allow_over_budget=True): no module-level plan near this one fits "
             f"({sim.peak_bytes / 1e6:.2f} MB > {plan.budget_bytes / 1e6:.2f} MB); use plan.module for the exact plan"
