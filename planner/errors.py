@@ -17,6 +17,7 @@ __all__ = [
     "SelectiveReplayError",
     "InexactPlanError",
     "StaleGraphError",
+    "OutputError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -68,3 +69,7 @@ class PlanFileError(ValueError):
 
 class PlanMismatchError(ValueError):
     """A plan applied to a model whose graph differs from the one it was made for."""
+
+
+class OutputError(InputError):
+    """An output path that cannot be written, or may not be replaced; nothing was written."""

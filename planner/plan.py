@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .errors import InputError, PlanFileError, PlanMismatchError
-from .plan_schema import check_plan, read_plan_file
+from .plan_schema import check_plan, read_plan_file, write_file
 from .profile.autotune import summary_rows
 
 __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
@@ -265,22 +264,14 @@ class Plan:
         }
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan as JSON; atomic: an existing file is replaced only when the write succeeded."""
+        """Write the plan as JSON; atomic: an existing regular file is replaced only when the write
+        succeeded, and keeps its mode; anything else at `path` (a device node, a folder) is refused."""
         path = Path(path)
         text = json.dumps(self.to_dict(), indent=2)
         directory = path.parent if str(path.parent) else Path(".")
         if not directory.is_dir():
             raise PlanFileError(f"plan path {str(path)!r}: directory {str(directory)!r} does not exist")
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; a plan is an ordinary, shareable file
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_file(path, text, "plan path")
         return path
 
     @classmethod

@@ -11,20 +11,28 @@ A plan file may come from anywhere, so before any field is used:
 
 Every failure is a PlanFileError naming the file and the field (`regions[0].start`,
 `stats.sharding.world_size`). Unknown fields pass the generic checks and are otherwise kept as they are.
+
+Writing (`Plan.save`, and every file the command line writes, through `cli/outputs.py`): `write_file`
+replaces only a regular file or nothing (never a device node, fifo, socket, folder or link), keeps a
+replaced file's mode, and on any OSError (a full disk) raises one OutputError line and leaves the old
+file as it was, with nothing half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanFileError
+from .errors import OutputError, PlanFileError
 
-__all__ = ["MAX_FILE_BYTES", "read_plan_file", "check_plan", "check_json_limits"]
+__all__ = ["MAX_FILE_BYTES", "read_plan_file", "check_plan", "check_json_limits", "write_file", "not_a_file"]
 
 MAX_FILE_BYTES = 256 << 20
 MAX_DEPTH = 32
@@ -243,3 +251,58 @@ def read_plan_file(path: str | os.PathLike, source: str) -> Any:
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and Python's limit on an integer's digits
         first = next((ln for ln in str(e).splitlines() if ln.strip()), "")[:200]
         raise PlanFileError(f"{source} is not valid JSON ({type(e).__name__}: {first})") from None
+
+
+# -- writing: plan files, and every file the command line writes -------------------------
+
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a fifo",
+          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory"}
+
+
+def not_a_file(path: Path) -> str | None:
+    """What is at `path` when it is something other than a regular file (None: a file, or nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_file(path: str | os.PathLike, text: str | bytes, what: str = "output") -> None:
+    """Write `text` to `path` through a temporary file renamed into place; OutputError on any failure."""
+    p = Path(path)
+    kind = not_a_file(p)
+    if kind is not None:  # it changed since check_output_file
+        raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    try:
+        mode = stat.S_IMODE(os.stat(p).st_mode) if p.exists() else _new_file_mode()
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}-", dir=p.parent if str(p.parent) else ".")
+    except OSError as e:
+        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -182,3 +182,23 @@ def test_a_manifest_with_a_5000_digit_number_is_not_ours_and_is_one_line(made, t
     code, err = run(["apply", made["factory"], made["plan"], "-o", out], capsys)
     assert code == 2 and "not an empty folder" in one_line(err)
     assert [p.name for p in out.iterdir()] == ["manifest.json"]
+
+
+def test_plan_save_in_python_never_replaces_a_node_and_keeps_a_files_mode(made, tmp_path):
+    """`Plan.save` writes through the same writer as the command line."""
+    from ckpt_planner.plan import Plan
+
+    plan = Plan.load(made["plan"])
+    for path, kind in _special_files(tmp_path):
+        before = os.lstat(path)
+        with pytest.raises(outputs.OutputError, match=kind):
+            plan.save(path)
+        after = os.lstat(path)
+        assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    assert (tmp_path / "target").read_text() == "the user's file"
+    private = tmp_path / "private.json"
+    private.write_text("{}")
+    private.chmod(0o600)
+    plan.save(private)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and Plan.load(private).spans() == plan.spans()
+    assert leftovers(tmp_path) == []

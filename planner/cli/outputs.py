@@ -14,43 +14,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import OutputError
+from ..plan_schema import not_a_file, write_file
 
 __all__ = ["OutputError", "check_output_file", "write_file", "digests", "foreign_files"]
-
-
-class OutputError(InputError):
-    """An output path that cannot be written, or may not be replaced; nothing was written."""
-
-
-_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a fifo",
-          stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory"}
-
-
-def _not_a_file(path: Path) -> str | None:
-    """What is at `path` when it is something other than a regular file (None: a file, or nothing)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"unreadable ({e.strerror})"
-    return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def check_output_file(path: str | os.PathLike, what: str) -> Path:
     """Refuse, before any work, an output that is not a regular file or cannot be written (OutputError)."""
     p = Path(path)
     check_parent(p, what)
-    kind = _not_a_file(p)
+    kind = not_a_file(p)
     if kind is not None:
         raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
     return p
@@ -67,44 +47,6 @@ def check_parent(p: Path, what: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise OutputError(f"{what} {str(p)!r}: directory {str(parent)!r} is not writable ({e.strerror})") from None
-
-
-def _new_file_mode() -> int:
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_file(path: str | os.PathLike, text: str | bytes, what: str = "output") -> None:
-    """Write `text` to `path` through a temporary file renamed into place; OutputError on any failure."""
-    p = Path(path)
-    kind = _not_a_file(p)
-    if kind is not None:  # it changed since check_output_file
-        raise OutputError(f"{what} {str(p)!r} is {kind}; only a regular file is replaced, so name a file path")
-    data = text.encode("utf-8") if isinstance(text, str) else text
-    try:
-        mode = stat.S_IMODE(os.stat(p).st_mode) if p.exists() else _new_file_mode()
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}-", dir=p.parent if str(p.parent) else ".")
-    except OSError as e:
-        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, p)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise OutputError(f"{what} {str(p)!r} could not be written ({e.strerror or e}); nothing was written") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def digests(folder: Path) -> dict[str, str]:
