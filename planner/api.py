@@ -22,11 +22,12 @@ from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
 from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
 from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
 from .exactness import inexact_parts, step_differences
+from .lower.apply import checkpointed_copy, whole_module_spans
 from .lower.chunk import ChunkSpec, chunk_capture
 from .lower.rewrite import rewrite, safe_regions
-from .partial import PartialPlanner
+from .partial import PartialPlanner, guard_model
 from .plan import Plan
-from .profile.autotune import autotune_solution, device_measure, steps_for
+from .profile.autotune import WHOLE_MODULES, autotune_solution, device_measure, steps_for
 from .profile.costfit import learned
 from .profile.first_pass import PROFILES, bytes_config, needs_bytes_pass
 from .profile.profile import ProfileConfig, profile
@@ -507,6 +508,19 @@ class Planner:
             plan.module, plan.graph_overhead_s, plan.predicted_step_s = model, 0.0, plan.eager_step_s
             plan.notes = (*plan.notes, "no checkpoint regions: plan.module is the model itself, unchanged")
             return plan
+        whole = solution.stats.get(WHOLE_MODULES)
+        if whole:  # autotune measured the model's own code, with these modules checkpointed, fastest
+            plan.module = checkpointed_copy(model, whole)
+            # the model's own code: no captured graph to pay for
+            plan.predicted_step_s, plan.graph_overhead_s = plan.predicted_step_s - plan.graph_overhead_s, 0.0
+            plan.notes = (*plan.notes, f"plan.module is the model's own code with {len(whole)} whole modules "
+                          f"checkpointed ({', '.join(whole[:3])}{' ...' if len(whole) > 3 else ''}), as Plan.apply "
+                          "does, on a shallow copy: autotune measured it faster than the captured graph")
+            guard_model(plan.module, input_shapes(cap.args, cap.kwargs), on_larger_shape, self._replan(dict(
+                budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
+                solver_options=solver_options, safety_margin=safety_margin, own_checkpointing=own_checkpointing,
+            )))
+            return plan
         with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
             plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
         extra = tuple(getattr(plan.module, "rewrite_notes", ()))
@@ -540,9 +554,9 @@ class Planner:
             )
         return notes
 
-    def _guard_shapes(self, module: torch.nn.Module, on_larger_shape: str, plan_args: dict[str, Any]) -> str:
-        """Attach the ShapeGuard to the checkpointed module; return the summary's note about shapes."""
-        cap, model, settings = self.capture, self.model, self._settings
+    def _replan(self, plan_args: dict[str, Any]) -> Callable[[tuple, dict[str, Any]], torch.nn.Module]:
+        """The plan's module planned again at another shape (on_larger_shape='replan')."""
+        model, settings = self.model, self._settings
 
         def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
             if args and kwargs:
@@ -550,6 +564,12 @@ class Planner:
             planner = Planner(model, dict(kwargs) if kwargs else tuple(args), **settings)
             return planner.plan(**plan_args, on_larger_shape="error").module
 
+        return replan
+
+    def _guard_shapes(self, module: torch.nn.Module, on_larger_shape: str, plan_args: dict[str, Any]) -> str:
+        """Attach the ShapeGuard to the checkpointed module; return the summary's note about shapes."""
+        cap = self.capture
+        replan = self._replan(plan_args)
         planned = input_shapes(cap.args, cap.kwargs)
         guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
         guard.values = self.values
@@ -619,20 +639,31 @@ class Planner:
         config = self._settings["profile_config"] or ProfileConfig()
         store = open_store(self.cost.device, config.timing_store)
 
-        def differs(regions, saved) -> bool | None:
+        def build(regions, saved, paths) -> torch.nn.Module:
+            return checkpointed_copy(model, paths) if paths else rewrite(gm, regions, model=model, saved=saved)
+
+        def differs(regions, saved, paths) -> bool | None:
             if not self._check:
                 return False
-            found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs)
+            found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs)
             return None if found is None else bool(found)
 
-        measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(self.cost.device),
-                                 lambda r, s: rewrite(gm, r, model=model, saved=s))
+        measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(self.cost.device), build)
         with ModelState(model).preserved():
             return autotune_solution(
                 self.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=store,
                 key=plan_key(self.problem, inner, solver, options, False) + "|autotune",
                 finish=lambda r: self._finish(r, False)[0], learn=self.cost.time_source == "fitted",
+                modules=self._whole_modules() and (lambda r: whole_module_spans(self.problem, model, r)),
             )
+
+    def _whole_modules(self) -> bool:
+        """Whether hand-written plans may race as the model's own code (`checkpointed_copy`): not where
+        that code differs from the planned step (its own checkpointing, eval mode, chunked groups)."""
+        cap = self.capture
+        own = self.own_regions or cap.builtin_checkpointing or self.own_unplaced or any(
+            getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules())
+        return not own and EVAL_NOTE not in self.capture_notes and not self.chunks
 
     # -- solving, with every plan re-simulated after its last change ----------------------------
     def _finish(self, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...], list[str]]:

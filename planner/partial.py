@@ -28,7 +28,6 @@ A call with a larger input is refused with `ShapeError`, or with
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import inspect
@@ -43,6 +42,7 @@ from .capture.capture import Capture, capture, normalize_inputs
 from .capture.mutation import compute_nodes
 from .capture.shapes import ShapeGuard, input_shapes
 from .errors import CaptureError, ShapeError
+from .lower.apply import with_replaced
 from .lower.rewrite import rewrite, safe_regions
 from .plan import Plan, Region
 from .profile.graph import CostGraph
@@ -197,25 +197,6 @@ def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int) -> tup
     return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes), offsets
 
 
-def _with_replaced(model: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> torch.nn.Module:
-    """A shallow copy of `model` with the submodules at `replacements`' paths swapped; all else shared."""
-    root = copy.copy(model)
-    root._modules = dict(model._modules)
-    copied = {"": root}
-    for path, new in replacements.items():
-        *parents, leaf = path.split(".")
-        mod, prefix = root, ""
-        for p in parents:
-            prefix = f"{prefix}.{p}" if prefix else p
-            if prefix not in copied:
-                child = copy.copy(mod._modules[p])
-                child._modules = dict(child._modules)
-                mod._modules[p] = copied[prefix] = child
-            mod = copied[prefix]
-        mod._modules[leaf] = new
-    return root
-
-
 class PartialPlanner:
     """Capture and profile the largest capturable submodules once; plan them for any budget."""
 
@@ -310,8 +291,8 @@ class PartialPlanner:
             model_name=type(self.model).__name__,
         )
         plan.problem = problem
-        plan.module = _with_replaced(self.model, built)
-        _guard_model(plan.module, self.model_shapes, on_larger_shape, replan)
+        plan.module = with_replaced(self.model, built)
+        guard_model(plan.module, self.model_shapes, on_larger_shape, replan)
         return plan
 
     def notes(self) -> tuple[str, ...]:
@@ -350,7 +331,7 @@ def _piece_rebuild(sub: torch.nn.Module, cap: Capture, regions: list[tuple[int, 
     return rebuild
 
 
-def _guard_model(
+def guard_model(
     module: torch.nn.Module,
     planned,
     on_larger_shape: str,

@@ -17,6 +17,7 @@ from ckpt_planner.lower import apply as apply_mod
 from ckpt_planner.plan import Plan
 from ckpt_planner.profile import autotune as at
 from ckpt_planner.profile import costfit
+from ckpt_planner.profile.loss import default_loss
 from ckpt_planner.profile.timing_store import TimingStore
 from ckpt_planner.solvers import Node, Problem, Storage, simulate, solve
 from ckpt_planner.solvers.selective import block_regions
@@ -135,7 +136,7 @@ def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_app
 
     result, notes = at.autotune_solution(problem, solution, budget, inner, steps=30, key="k",
                                          store=TimingStore(tmp_path / "t.json"), measure=measure,
-                                         differs=lambda r, s: False, learn=False)
+                                         differs=lambda r, s, m: False, learn=False)
     assert tuple(result.regions) == every_2.regions and result.peak_bytes > budget
     assert any("measured at" in n and "within it" in n for n in notes)
     # Plan.apply takes the measurement too, for exactly the chosen regions and no others
@@ -309,6 +310,56 @@ def test_a_winner_whose_step_differs_from_the_models_is_not_returned(store_dir, 
     assert plan.spans() == solver_plan.spans() and any("differs" in n for n in plan.notes)
 
 
+class ModulesFastest(FakeClock):
+    """The hand-written plans that run as the model's own code measure fastest."""
+
+    def __call__(self, *args, **kwargs):
+        def measure(cands, rounds):
+            self.calls += 1
+            return [m(c.predicted_peak_bytes, *[(0.5 if c.modules else 1.0) + 0.001 * k for k in range(rounds)])
+                    for c in cands], [0.4] * rounds
+        return measure
+
+
+def test_a_whole_module_plan_runs_as_the_models_own_code_exactly_and_leaves_the_model_alone(store_dir, monkeypatch):
+    from ckpt_planner.errors import ShapeError
+    from ckpt_planner.lower.apply import checkpointed_modules
+
+    from .models import tiny_gpt
+
+    monkeypatch.setattr(api, "device_measure", ModulesFastest())
+    model, inputs = tiny_gpt()  # dropout in every block: the recompute must replay the generator
+    planner = api.Planner(model, inputs)
+    every_1 = next(p for p in every_n_plans(planner.problem) if p.name == "every_1")
+    budget = simulate(planner.problem, every_1.regions).peak_bytes + 4096
+    plan = planner.plan(budget_bytes=budget, autotune=True)
+    rec = plan.stats["autotune"]
+    assert rec["chosen"].endswith("(modules)"), rec["chosen"]
+    paths = plan.stats[at.WHOLE_MODULES]
+    assert paths and all(p.startswith("blocks.") for p in paths)
+    assert not isinstance(plan.module, torch.fx.GraphModule) and plan.graph_overhead_s == 0.0
+    assert any("model's own code" in n for n in plan.notes)
+    # the model's own objects, its keys, and nothing of the model changed
+    assert list(plan.module.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(plan.module.parameters(), model.parameters()))
+    assert checkpointed_modules(model) == () and set(checkpointed_modules(plan.module)) == set(paths)
+    # one training step of each from the same generator state: the same loss and bitwise the same grads
+    grads = []
+    for module in (model, plan.module):
+        for q in model.parameters():
+            q.grad = None
+        torch.manual_seed(7)
+        default_loss(module(*inputs)).backward()
+        grads.append([q.grad.clone() for q in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # a larger batch than planned is refused, as the graph's plan does
+    with pytest.raises(ShapeError):
+        plan.module(*[torch.cat([t, t]) for t in inputs])
+    # the next run takes the same lowering from the store
+    again = api.Planner(model, inputs).plan(budget_bytes=budget, autotune=True)
+    assert again.stats["autotune"]["from_store"] and again.stats[at.WHOLE_MODULES] == paths
+
+
 def test_autotune_false_and_meta_measure_nothing(store_dir, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(api, "device_measure", clock)
@@ -398,7 +449,7 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
                  for c in cands], [100.0] * rounds)
 
     result, _ = at.autotune_solution(problem, solution, budget, budget, steps=30, key="k", store=store,
-                                     measure=measure, differs=lambda r, s: False)
+                                     measure=measure, differs=lambda r, s, m: False)
     rec = result.stats["autotune"]
     assert len(rec["candidates"]) >= 2 and rec["band"] == (at.MAX_BAND if noisy else at.MIN_BAND)
     rows = (TimingStore(tmp_path / "t.json").get(costfit.TABLE, costfit.KEY) or {}).get("rows", [])

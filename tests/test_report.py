@@ -286,3 +286,38 @@ def test_baseline_row_is_not_said_to_fit(made):
     head, *rows = page.tables["bench"]
     fits = {r[0]: r[head.index("fits budget")] for r in rows}
     assert fits["none"].startswith("no") and fits["uniform"] == "yes"
+
+
+def test_autotune_candidates_are_a_table_of_their_own(made, tmp_path, capsys):
+    """Every plan autotune timed, with its predicted and measured figures, and which one won."""
+    plan = json.loads((made / "plan.json").read_text())
+    spans = [[r["start"], r["end"]] for r in plan["regions"]]
+    cands = [
+        {"label": "auto plan", "regions": spans, "saved": [], "predicted_peak_bytes": 1_500_000,
+         "predicted_extra_s": 0.002, "measured_peak_bytes": 1_400_000, "measured_step_s": 0.012,
+         "measured_median_s": 0.013, "measured_extra_s": 0.002, "fits": True, "chosen": False},
+        {"label": "every_2", "regions": spans[:1], "saved": [], "predicted_peak_bytes": 1_600_000,
+         "predicted_extra_s": 0.003, "measured_peak_bytes": 1_450_000, "measured_step_s": 0.011,
+         "measured_median_s": 0.011, "measured_extra_s": 0.001, "fits": True, "chosen": True},
+    ]
+    plan["stats"]["autotune"] = {"steps": 25, "rounds": 4, "band": 0.03, "seconds": 0.5, "budget_bytes": 1_500_000,
+                                 "graph_step_s": 0.010, "chosen": "every_2", "candidates": cands, "from_store": False}
+    src = tmp_path / "tuned.json"
+    src.write_text(json.dumps(plan))
+    out = tmp_path / "report.html"
+    assert main(["report", str(src), "-o", str(out)]) == 0
+    page = Page()
+    page.feed(out.read_text())
+    table = page.tables["autotune"]
+    rows = {r[0]: r for r in table[1:]}
+    assert rows["every_2"][1] == "yes" and rows["auto plan"][1] == ""
+    assert rows["every_2"][3] == _fmt_bytes(1_450_000) and rows["auto plan"][2] == _fmt_bytes(1_500_000)
+    assert rows["every_2"][6] == "+10.0 %" and rows["auto plan"][5] == "+20.0 %"  # of the plain graph's 10 ms
+    assert "25 model steps" in rows["(race)"][7] and "3.0 %" in rows["(race)"][7]
+    assert not any(r[0].startswith("autotune") for r in page.tables["solver-stats"])
+    # a malformed record is one line naming the field
+    cands[0]["measured_step_s"] = "fast"
+    src.write_text(json.dumps(plan))
+    assert main(["report", str(src), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stats.autotune" in err[0]

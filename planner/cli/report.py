@@ -36,7 +36,7 @@ __all__ = [
     "render",
 ]
 
-_OWN_STATS = ("timeline", "curves", "cli", "verify")
+_OWN_STATS = ("timeline", "curves", "cli", "verify", "autotune")
 
 
 # -- rendering ------------------------------------------------------------------
@@ -349,6 +349,39 @@ def _flat(prefix: str, value: Any) -> list[list[str]]:
     return [[prefix, "(none)" if value is None or value == {} else str(value)]]
 
 
+_AUTOTUNE_HEAD = ["candidate", "chosen", "predicted peak", "measured peak", "fits budget", "predicted extra",
+                  "measured extra", "measured step ms"]
+
+
+def _autotune_rows(plan: dict[str, Any]) -> list[list[str]]:
+    """One row per plan autotune timed (stats["autotune"]), then how the race was run."""
+    rec = plan.get("stats", {}).get("autotune")
+    if not isinstance(rec, dict):
+        return []
+    if rec.get("skipped"):
+        return [["(not run)", "", "", "", "", "", "", str(rec["skipped"])]]
+    base = rec.get("graph_step_s") or 0.0
+
+    def extra(s: Any) -> str:
+        if s is None:
+            return "-"
+        return f"{100 * float(s) / base:+.1f} %" if base > 0 else f"{1e3 * float(s):+.2f} ms"
+
+    rows = []
+    for c in rec.get("candidates", []):
+        rows.append([
+            str(c.get("label")), "yes" if c.get("chosen") else "", _fmt_bytes(c.get("predicted_peak_bytes")),
+            _fmt_bytes(c.get("measured_peak_bytes")), "yes" if c.get("fits") else "no",
+            extra(c.get("predicted_extra_s")), extra(c.get("measured_extra_s")),
+            f"{1e3 * float(c.get('measured_step_s') or 0.0):.2f}",
+        ])
+    how = ("kept from an earlier run (timing store)" if rec.get("from_store") else
+           f"{rec.get('steps', 0)} model steps, {rec.get('rounds', 0)} rounds, noise band "
+           f"{100 * float(rec.get('band') or 0.0):.1f} %, plain graph {1e3 * float(base):.2f} ms")
+    rows.append(["(race)", "", "", "", "", "", "", how])
+    return rows
+
+
 def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:
     stats = {k: v for k, v in plan.get("stats", {}).items() if k not in _OWN_STATS}
     rows = [row for k, v in sorted(stats.items()) for row in _flat(k, v)]
@@ -368,6 +401,10 @@ def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: st
         ("regions", "Recomputed regions", _REGION_HEAD, _region_rows(plan)),
         ("solver-stats", "Solver statistics", ["statistic", "value"], _solver_stats(plan)),
     ]
+    with _field("plan file: stats.autotune"):
+        tuned = _autotune_rows(plan)
+    if tuned:
+        sections.insert(1, ("autotune", "Autotune: the plans timed on the device", _AUTOTUNE_HEAD, tuned))
     if bench:
         with _field("bench file: rows"):
             bench_rows = _bench_rows(bench)

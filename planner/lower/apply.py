@@ -19,6 +19,7 @@ JSON has only the module paths it recorded: those are applied as recorded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,10 @@ from ..errors import InfeasibleBudgetError, InputError, PlanMismatchError
 from ..solvers import Problem, simulate
 from .rewrite import _restore_buffers
 
-__all__ = ["Application", "apply_plan", "checkpoint_modules", "remove_checkpointing", "module_aligned", "module_spans"]
+__all__ = [
+    "Application", "apply_plan", "checkpoint_modules", "remove_checkpointing", "module_aligned", "module_spans",
+    "with_replaced", "checkpointed_copy", "measured_fit", "whole_module_spans",
+]
 
 _STATE = "_ckpt_planner_state"  # instance attribute marking a checkpointed module
 
@@ -186,6 +190,43 @@ def checkpointed_modules(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(p for p, m in _unwrap(model).named_modules() if _STATE in m.__dict__)
 
 
+def with_replaced(model: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    """A shallow copy of `model` with the submodules at `replacements`' paths swapped; all else shared."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    copied = {"": root}
+    for path, new in replacements.items():
+        *parents, leaf = path.split(".")
+        mod, prefix = root, ""
+        for p in parents:
+            prefix = f"{prefix}.{p}" if prefix else p
+            if prefix not in copied:
+                child = copy.copy(mod._modules[p])
+                child._modules = dict(child._modules)
+                mod._modules[p] = copied[prefix] = child
+            mod = copied[prefix]
+        mod._modules[leaf] = new
+    return root
+
+
+def checkpointed_copy(model: torch.nn.Module, paths: Sequence[str]) -> torch.nn.Module:
+    """The model with the submodules at `paths` run under checkpoint, as `checkpoint_modules` does, on a
+    shallow copy: parameters, buffers and every other submodule are the model's own objects (its
+    state_dict keys too), and the model itself is left as it was. A plan made of whole modules runs
+    this way as `plan.module` when the clock says so (no captured graph: the model's own code)."""
+    model = _unwrap(model)
+    replaced = {}
+    for path in dict.fromkeys(paths):
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            raise PlanMismatchError(f"module path {path!r} is not in this {type(model).__name__}") from None
+        replaced[path] = copy.copy(mod)  # its own __dict__ (the checkpointed forward), the same children
+    root = with_replaced(model, replaced)
+    checkpoint_modules(root, list(replaced))
+    return root
+
+
 # -- choosing whole modules ---------------------------------------------------------
 
 
@@ -230,6 +271,25 @@ def _outer(spans: dict[tuple[int, int], str], s: int, e: int) -> tuple[int, int]
     """The smallest module span containing [s, e]."""
     around = [sp for sp in spans if sp[0] <= s and e <= sp[1]]
     return min(around, key=lambda sp: sp[1] - sp[0]) if around else None
+
+
+def whole_module_spans(
+    problem: Problem, model: torch.nn.Module, regions: Sequence[tuple[int, int]], slack: float = 0.1,
+) -> list[tuple[tuple[int, int], str]] | None:
+    """(span, path) of the whole module around each region, where every region is one module's run of
+    nodes less at most `slack` of them (a block region that leaves out the block's last residual add is
+    the block); None when a region has no such module or two regions share one."""
+    spans = module_spans(problem, model)
+    out: list[tuple[tuple[int, int], str]] = []
+    for s, e in regions:
+        around = _outer(spans, s, e)
+        if around is None or (around[1] - around[0] + 1) - (e - s + 1) > slack * (e - s + 1):
+            return None
+        out.append((around, spans[around]))
+    picked = sorted(sp for sp, _ in out)
+    if any(b[0] <= a[1] for a, b in zip(picked, picked[1:])):
+        return None
+    return out
 
 
 def module_aligned(

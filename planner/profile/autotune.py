@@ -48,7 +48,7 @@ from .timing_store import TimingStore
 __all__ = [
     "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "summary_rows", "stored_choice", "RUNNERS_UP", "autotune_solution",
-    "steps_for", "AUTOTUNE_ENV",
+    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES",
 ]
 
 AUTOTUNE_STEPS = 30
@@ -59,6 +59,8 @@ MIN_BAND, MAX_BAND = 0.01, 0.05
 """The noise band (a fraction of a step) is the rounds' own paired spread, held between these."""
 CHECK_STEPS = 2
 """Steps kept back from the cap for the winner's exactness check (one of the plan, one of the model)."""
+WHOLE_MODULES = "whole_modules"
+"""The plan's stats key for the module paths of a plan that runs as the model's own code."""
 AUTOTUNE_ENV = "CKPT_PLANNER_AUTOTUNE"
 """Set to off/0/no/false to make autotune's default off (an explicit `autotune=` still decides)."""
 RUNNERS_UP = ("dp", "greedy", "uniform")
@@ -75,6 +77,9 @@ class Candidate:
     predicted_peak_bytes: int
     predicted_extra_s: float
     """Predicted seconds per step over the plain captured graph (recompute, calls, hooks, policy)."""
+    modules: tuple[str, ...] = ()
+    """Paths of whole submodules: this plan runs as the model's own code with them checkpointed
+    (`checkpointed_copy`), not as the captured graph; empty: the captured graph, rewritten."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ def steps_for(autotune: bool | int | None, clock: bool) -> int:
 Measure = Callable[[Sequence[Candidate], int], tuple[list[Measured], list[float]]]
 
 
-def _candidate(problem: Problem, label: str, regions, saved, finish) -> Candidate | None:
+def _candidate(problem: Problem, label: str, regions, saved, finish, modules: tuple[str, ...] = ()) -> Candidate | None:
     try:
         regions = normalize_regions(problem, finish(tuple(regions)) if finish else regions)
         saved = normalize_saved(problem, regions, tuple(i for i in saved if any(s <= i <= e for s, e in regions)))
@@ -138,24 +143,32 @@ def _candidate(problem: Problem, label: str, regions, saved, finish) -> Candidat
     if not regions:
         return None
     sim = simulate(problem, regions, saved=saved)
-    return Candidate(label, tuple(regions), tuple(saved), sim.peak_bytes, sim.recompute_time)
+    return Candidate(label, tuple(regions), tuple(saved), sim.peak_bytes, sim.recompute_time, tuple(modules))
 
 
 def candidates(
     problem: Problem, chosen: Candidate, budget: int, inner: int, runners_up: Sequence[tuple[str, Any, Any]] = (),
     *, limit: int = MAX_CANDIDATES, finish: Callable[[tuple], tuple] | None = None,
+    modules: Callable[[tuple], list[tuple[tuple[int, int], str]] | None] | None = None,
 ) -> list[Candidate]:
     """The plans to measure: `chosen` (the solver's) first, then the best plain hand-written plan, the
     best runner-up, and the rest by predicted time, `limit` in all. A plan takes part when its predicted
     peak is within the budget widened by the safety margin on both sides (the margin, budget - `inner`,
     is the prediction's error allowance): its measured peak decides. `runners_up`: (label, regions,
-    saved) of other solvers; `finish` moves regions off in-place writes as every plan's are."""
+    saved) of other solvers; `finish` moves regions off in-place writes as every plan's are.
+    `modules(regions)`: the whole submodules (span, path) a hand-written plan's regions are, if any; such
+    a plan races as the model's own code with those modules checkpointed (as transformers runs it: no
+    captured graph to pay for), labelled "(modules)"."""
     admit = budget + max(0, budget - inner)
     pool: list[Candidate] = []
     seen = {(chosen.regions, chosen.saved)}
     plans = [(p.name, p.regions, p.saved) for p in structured_plans(problem, inner)] + list(runners_up)
     for label, regions, saved in plans:
-        c = _candidate(problem, label, regions, saved, finish)
+        whole = modules(tuple(regions)) if modules is not None and _hand_written(label) and not saved else None
+        if whole:
+            c = _candidate(problem, f"{label} (modules)", [sp for sp, _ in whole], (), None, tuple(p for _, p in whole))
+        else:
+            c = _candidate(problem, label, regions, saved, finish)
         if c is None or c.predicted_peak_bytes > admit or (c.regions, c.saved) in seen:
             continue
         seen.add((c.regions, c.saved))
@@ -254,30 +267,33 @@ def _entry(c: Candidate, m: Measured, base_s: float, budget: int, chosen: bool) 
         "measured_extra_s": m.step_s - base_s if base_s > 0 else None,
         "fits": m.peak_bytes <= budget,
         "chosen": chosen,
+        "modules": list(c.modules),
     }
 
 
-def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tuple, dict[str, Any]] | None:
-    """(regions, saved, record) of a choice an earlier run stored, when it is a plan of `problem` that
-    measured within `budget`; else None (measured afresh)."""
+def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tuple, tuple, dict[str, Any]] | None:
+    """(regions, saved, module paths, record) of a choice an earlier run stored, when it is a plan of
+    `problem` that measured within `budget`; else None (measured afresh)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
         return None
     try:
         regions = normalize_regions(problem, [(int(s), int(e)) for s, e in entry["regions"]])
         saved = normalize_saved(problem, regions, [int(i) for i in entry["saved"]])
+        modules = tuple(entry.get("modules", ()))
     except (ProblemError, KeyError, TypeError, ValueError):
         return None
     record = entry["record"]
-    if record.get("budget_bytes") != budget or not regions:
+    if record.get("budget_bytes") != budget or not regions or not all(isinstance(p, str) for p in modules):
         return None
-    return regions, saved, record
+    return regions, saved, modules, record
 
 
 def device_measure(
     model: torch.nn.Module, graph: torch.fx.GraphModule, args: tuple, kwargs: dict, device: torch.device,
-    build: Callable[[tuple, tuple], torch.nn.Module],
+    build: Callable[[tuple, tuple, tuple], torch.nn.Module],
 ) -> Measure:
-    """The measurement on the device: `build(regions, saved)` gives a candidate's module (the rewriter);
+    """The measurement on the device: `build(regions, saved, modules)` gives a candidate's module (the
+    rewriter, or the model with whole `modules` checkpointed);
     its peak is one step on the allocator meter, its times those of interleaved timed steps. The
     caller restores the model's state (gradients, buffers, RNG)."""
     params = list(model.parameters())
@@ -309,8 +325,8 @@ def device_measure(
         return time.perf_counter() - t0
 
     def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
-        modules = [build(c.regions, c.saved) for c in cands]
-        plain = build((), ())
+        modules = [build(c.regions, c.saved, c.modules) for c in cands]
+        plain = build((), (), ())
         peaks = [peak(m) for m in modules]
         step(plain)  # warm-up
         times: list[list[float]] = [[] for _ in modules]
@@ -364,21 +380,24 @@ def _as(problem: Problem, solution: Solution, regions, saved, stats: dict[str, A
 
 def autotune_solution(
     problem: Problem, solution: Solution, budget: int, inner: int, *, steps: int, key: str, store: TimingStore,
-    measure: Measure, differs: Callable[[tuple, tuple], bool | None], finish: Callable[[tuple], tuple] | None = None,
-    learn: bool = True,
+    measure: Measure, differs: Callable[[tuple, tuple, tuple], bool | None],
+    finish: Callable[[tuple], tuple] | None = None, learn: bool = True,
+    modules: Callable[[tuple], list[tuple[tuple[int, int], str]] | None] | None = None,
 ) -> tuple[Solution, list[str]]:
     """The plan to return after the solve (and its safety-net check): the choice stored under `key` by an
     earlier run where it is still a plan of this graph for this budget, else the measured choice among
     the candidates, which is then stored (and its rows given to the cost model's refit when `learn`).
-    A winner other than `solution` passes the safety net's check (`differs`) or `solution` stands.
-    Returns (plan, notes); the plan's stats carry the record under "autotune"."""
+    A winner other than `solution` passes the safety net's check (`differs(regions, saved, modules)`) or
+    `solution` stands. Returns (plan, notes); the plan's stats carry the record under "autotune", and
+    under WHOLE_MODULES the module paths when the winner runs as the model's own code (see `candidates`)."""
     notes: list[str] = []
     stored = stored_choice(problem, store.get("plans", key), budget)
     if stored is not None:
-        regions, saved, record = stored
-        same = (regions, saved) == (tuple(solution.regions), tuple(solution.saved))
-        if same or differs(regions, saved) is False:
-            return _as(problem, solution, regions, saved, {"autotune": {**record, "from_store": True}}), notes
+        regions, saved, paths, record = stored
+        same = (regions, saved, paths) == (tuple(solution.regions), tuple(solution.saved), ())
+        if same or differs(regions, saved, paths) is False:
+            whole = {WHOLE_MODULES: list(paths)} if paths else {}
+            return _as(problem, solution, regions, saved, {"autotune": {**record, "from_store": True}, **whole}), notes
     chosen = _candidate(problem, f"{solution.solver} plan", solution.regions, solution.saved, None)
     if chosen is None:
         return solution, notes
@@ -391,16 +410,16 @@ def autotune_solution(
         except (solvers.InfeasibleBudgetError, ProblemError, RuntimeError):
             continue
         runners.append((name, found.regions, found.saved))
-    cands = candidates(problem, chosen, budget, inner, runners, finish=finish)
+    cands = candidates(problem, chosen, budget, inner, runners, finish=finish, modules=modules)
     tuned = tune(cands, budget, measure, steps)
     record = {**tuned.record, "from_store": False}
     result = solution
     if tuned.index:  # a plan other than the solver's won: it passes the safety net or the solver's stands
         win = cands[tuned.index]
-        verdict = differs(win.regions, win.saved)
+        verdict = differs(win.regions, win.saved, win.modules)
         record["steps"] = record.get("steps", 0) + CHECK_STEPS
         if verdict is False:
-            result = _as(problem, solution, win.regions, win.saved, {})
+            result = _as(problem, solution, win.regions, win.saved, {WHOLE_MODULES: list(win.modules)} if win.modules else {})
             if win.predicted_peak_bytes > budget:
                 got = record["candidates"][tuned.index]["measured_peak_bytes"]
                 notes.append(
@@ -418,7 +437,7 @@ def autotune_solution(
     result = _as(problem, result, result.regions, result.saved, {"autotune": record})
     if record.get("candidates"):
         store.keep("plans", key, {"regions": [list(r) for r in result.regions], "saved": list(result.saved),
-                                  "record": record})
+                                  "modules": list(result.stats.get(WHOLE_MODULES, ())), "record": record})
         store.save()
         if learn and record.get("band", MAX_BAND) < MAX_BAND:  # rounds too noisy to tell plans apart teach nothing
             remember(store, problem, record)
