@@ -186,10 +186,16 @@ def test_factory_print_does_not_corrupt_json(work, capsys):
     assert "building the model..." in err and "building" not in stdout
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a user's terminal sends it. A runner that starts the tests in the background
+    (a shell without job control) has SIGINT ignored, which a child inherits and Python then keeps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*argv: str, cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ckpt_planner", *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=_interruptible,
     )
 
 
