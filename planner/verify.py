@@ -23,21 +23,11 @@ from torch.utils import _pytree as pytree
 from .capture.capture import normalize_inputs
 from .plan import Plan
 from .profile.loss import default_loss  # re-exported: callers import it from here
-from .profile.memory import AllocatorMeter, LiveMemory
+from .profile.memory import StepPeaks, measure_step_peaks  # re-exported: callers import them from here
 from .progress import logger, progress_enabled, stage
 from .state import ModelState
 
 __all__ = ["Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks"]
-
-
-@dataclass(frozen=True)
-class StepPeaks:
-    """Peak memory of one training step on the two meters (bytes, resident state included)."""
-
-    allocator: int
-    """The allocator's peak: tensors and kernel workspaces. What runs out of memory."""
-    live: int
-    """The peak of live tensor storages (what autograd and the model hold)."""
 
 
 @dataclass(frozen=True)
@@ -105,33 +95,6 @@ def measure_step(
     """Run forward + backward once; return (the allocator's peak bytes, output)."""
     peaks, out = measure_step_peaks(module, args, kwargs, params, state, loss_fn, device)
     return peaks.allocator, out
-
-
-def measure_step_peaks(
-    module: torch.nn.Module,
-    args: tuple,
-    kwargs: dict,
-    params: list[torch.nn.Parameter],
-    state: list[torch.Tensor],
-    loss_fn: Callable[[Any], torch.Tensor],
-    device: torch.device,
-) -> tuple[StepPeaks, Any]:
-    """Run forward + backward once on both meters; return (peaks, output).
-
-    Both figures include the resident state and inputs (unique storages). Where the allocator
-    cannot be read (a profiler already running, an unsupported device), its figure is the live one.
-    """
-    for p in params:
-        p.grad = None
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    mem = LiveMemory()
-    mem.track(state, inputs)
-    resident = mem.current  # bytes
-    with AllocatorMeter(device) as meter, mem:
-        out = module(*args, **kwargs)  # held through the backward, as the planner assumes
-        loss_fn(out).backward()
-    allocator = resident + meter.peak if meter.available else mem.peak
-    return StepPeaks(allocator=int(allocator), live=int(mem.peak)), out
 
 
 def _clone(value: Any) -> Any:

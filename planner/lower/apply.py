@@ -79,7 +79,9 @@ def measured_fit(plan: Any, spans: Sequence[tuple[int, int]]) -> bool:
     (a plan predicted over its budget by less than the safety margin can win on its measurement). Kept
     ops only add memory, so the regions without them fit too."""
     record = plan.stats.get("autotune") if isinstance(plan.stats, dict) else None
-    for c in (record or {}).get("candidates", []) if isinstance(record, dict) else []:
+    if not isinstance(record, dict):
+        return False
+    for c in record.get("candidates", []):
         if isinstance(c, dict) and c.get("chosen") and c.get("fits") is True:
             try:
                 return [tuple(int(x) for x in r) for r in c.get("regions", [])] == [tuple(r) for r in spans]

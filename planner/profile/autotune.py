@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .. import solvers
 from ..errors import InputError
@@ -42,7 +41,7 @@ from ..solvers.simulate import normalize_regions, normalize_saved
 from ..solvers.structured import structured_plans
 from .costfit import remember
 from .loss import default_loss
-from .memory import AllocatorMeter, LiveMemory
+from .memory import measure_step_peaks
 from .timing_store import TimingStore
 
 __all__ = [
@@ -298,7 +297,6 @@ def device_measure(
     caller restores the model's state (gradients, buffers, RNG)."""
     params = list(model.parameters())
     state = params + list(model.buffers())
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def step(module: torch.nn.Module) -> None:
@@ -307,15 +305,7 @@ def device_measure(
         default_loss(module(*args, **kwargs)).backward()
 
     def peak(module: torch.nn.Module) -> int:
-        for p in params:
-            p.grad = None
-        mem = LiveMemory()
-        mem.track(state, inputs)
-        resident = mem.current  # bytes
-        with AllocatorMeter(device) as meter, mem:
-            out = module(*args, **kwargs)  # held through the backward, as the planner assumes
-            default_loss(out).backward()
-        return int(resident + meter.peak if meter.available else mem.peak)
+        return measure_step_peaks(module, args, kwargs, params, state, default_loss, device)[0].allocator
 
     def timed(module: torch.nn.Module) -> float:
         sync()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..progress import native_stderr_dropped
 
-__all__ = ["AllocatorMeter", "LiveMemory", "Window", "alive", "storage_key"]
+__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "measure_step_peaks", "storage_key"]
 
 
 def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
@@ -223,3 +224,43 @@ class AllocatorMeter:
 
 
 _MARK = "ckpt_planner::mark::"
+
+
+# -- one training step on both meters ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPeaks:
+    """Peak memory of one training step on the two meters (bytes, resident state included)."""
+
+    allocator: int
+    """The allocator's peak: tensors and kernel workspaces. What runs out of memory."""
+    live: int
+    """The peak of live tensor storages (what autograd and the model hold)."""
+
+
+def measure_step_peaks(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    params: list[torch.nn.Parameter],
+    state: list[torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor],
+    device: torch.device,
+) -> tuple[StepPeaks, Any]:
+    """Run forward + backward once on both meters; return (peaks, output).
+
+    Both figures include the resident state and inputs (unique storages). Where the allocator
+    cannot be read (a profiler already running, an unsupported device), its figure is the live one.
+    """
+    for p in params:
+        p.grad = None
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    mem = LiveMemory()
+    mem.track(state, inputs)
+    resident = mem.current  # bytes
+    with AllocatorMeter(device) as meter, mem:
+        out = module(*args, **kwargs)  # held through the backward, as the planner assumes
+        loss_fn(out).backward()
+    allocator = resident + meter.peak if meter.available else mem.peak
+    return StepPeaks(allocator=int(allocator), live=int(mem.peak)), out
