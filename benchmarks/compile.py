@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckpt_planner import Planner  # noqa: E402
 from ckpt_planner.compile.compiled import CompiledPlanner, _quartiles, measure_compiled_step  # noqa: E402
-from ckpt_planner.verify import default_loss  # noqa: E402
+from ckpt_planner.verification import default_loss  # noqa: E402
 from tradeoff_models import MODELS  # noqa: E402
 
 SCALES = {"gpt2": "cpu", "llama": "cpu", "unet": "tiny"}  # models and the size each runs at

@@ -40,12 +40,12 @@ import torch.nn as nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_planner.api import Planner  # noqa: E402
+from ckpt_planner.choose.cost_refit import learned  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
-from ckpt_planner.profile.costfit import learned  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV, open_store  # noqa: E402
 from ckpt_planner.solvers import InfeasibleBudgetError, simulate  # noqa: E402
 from ckpt_planner.solvers.selective import selective  # noqa: E402
-from ckpt_planner.verify import default_loss, measure_step_peaks  # noqa: E402
+from ckpt_planner.verification import default_loss, measure_step_peaks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

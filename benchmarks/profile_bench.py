@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from ckpt_planner.capture.capture import capture  # noqa: E402
-from ckpt_planner.profile.profile import ProfileConfig, profile  # noqa: E402
+from ckpt_planner.capture.trace import capture  # noqa: E402
+from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
 
 
 def _timed(fn):

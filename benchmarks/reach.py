@@ -40,9 +40,9 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_planner import optimize  # noqa: E402
-from ckpt_planner.profile.profile import ProfileConfig  # noqa: E402
+from ckpt_planner.profile.profiler import ProfileConfig  # noqa: E402
 from ckpt_planner.solvers import InfeasibleBudgetError  # noqa: E402
-from ckpt_planner.verify import measure_step_peaks  # noqa: E402
+from ckpt_planner.verification import measure_step_peaks  # noqa: E402
 
 CONTENDERS = ("none", "per-layer", "every-2", "ours", "ours-inexact")
 FLOPS = ProfileConfig(flop_times=True)

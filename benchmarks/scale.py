@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 import ckpt_planner.solvers as solvers  # noqa: E402
 import torch  # noqa: E402
 from ckpt_planner.api import optimize, optimizer_state_bytes  # noqa: E402
-from ckpt_planner.capture.capture import capture  # noqa: E402
+from ckpt_planner.capture.trace import capture  # noqa: E402
 from ckpt_planner.errors import InfeasibleBudgetError  # noqa: E402
-from ckpt_planner.profile.profile import ProfileConfig, profile  # noqa: E402
+from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
 
 GB = 1e9
 TARGET_S = 60.0

@@ -193,8 +193,8 @@ def captured_problems() -> list[Problem]:
     import warnings
 
     import torch
-    from ckpt_planner.capture.capture import capture
-    from ckpt_planner.profile.profile import ProfileConfig, profile
+    from ckpt_planner.capture.trace import capture
+    from ckpt_planner.profile.profiler import ProfileConfig, profile
     from transformers import GPT2Config, GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
 
     cases = []

@@ -60,14 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ckpt_planner.solvers as solvers  # noqa: E402
 from ckpt_planner.api import Planner, plan_from_solution  # noqa: E402
-from ckpt_planner.capture.capture import capture, normalize_inputs  # noqa: E402
+from ckpt_planner.capture.trace import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
 from ckpt_planner.profile.memory import LiveMemory  # noqa: E402
-from ckpt_planner.profile.profile import ProfileConfig, profile  # noqa: E402
+from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
 from ckpt_planner.profile.timing import with_step_times  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.solvers.selective import block_regions  # noqa: E402
-from ckpt_planner.verify import default_loss  # noqa: E402
+from ckpt_planner.verification import default_loss  # noqa: E402
 from tradeoff_batch import largest_batches  # noqa: E402
 from tradeoff_models import MODELS, SIZES  # noqa: E402
 from tradeoff_report import write_report  # noqa: E402

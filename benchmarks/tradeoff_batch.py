@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn as nn
 from ckpt_planner.api import Planner
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.solvers import InfeasibleBudgetError
 
 __all__ = ["largest_batches", "BATCHES"]

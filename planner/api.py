@@ -11,30 +11,20 @@ from typing import Any
 import torch
 
 from . import solvers
-from .budget import check_budget_args as _check_budget_args
-from .budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
-from .capture.capture import capture
 from .capture.exported import accept_exported
 from .capture.frozen import ValueGuard, frozen_values, stale_note
 from .capture.own_checkpoint import own_spans
 from .capture.preflight import nothing_to_plan
 from .capture.shapes import ON_LARGER_SHAPE, ShapeGuard, input_shapes
-from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
-from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
-from .exactness import inexact_parts, step_differences
-from .lower.apply import checkpointed_copy, whole_module_spans
-from .lower.chunk import ChunkSpec, chunk_capture
-from .lower.rewrite import rewrite, safe_regions
-from .partial import PartialPlanner, guard_model
-from .plan import Plan
-from .profile.autotune import WHOLE_MODULES, autotune_solution, device_measure, steps_for
-from .profile.costfit import learned
-from .profile.first_pass import PROFILES, bytes_config, needs_bytes_pass
-from .profile.profile import ProfileConfig, profile
-from .profile.timing import with_step_times
-from .profile.timing_store import open_store
-from .progress import logger, progress_enabled, stage
-from .solution import (
+from .capture.trace import capture
+from .choose.autotune import WHOLE_MODULES, autotune_solution, device_measure, steps_for
+from .choose.budget import check_budget_args as _check_budget_args
+from .choose.budget import floor_plan, inner_budget, optimizer_state_bytes, peak_detail, smallest_budget
+from .choose.cost_refit import learned
+from .choose.partial import PartialPlanner, guard_model
+from .choose.plan_store import plan_key, steady
+from .choose.safety_net import inexact_parts, step_differences
+from .choose.solve import (
     kept_saved,
     laminar,
     merge_own,
@@ -43,10 +33,20 @@ from .solution import (
     solve_unbudgeted,
     with_regions,
 )
+from .distributed import check_sharding, plan_collectively, planning_is_collective, shard_problem
+from .errors import CaptureError, InexactPlanError, InputError, UnplannableError
+from .lower.apply import checkpointed_copy, whole_module_spans
+from .lower.chunk import ChunkSpec, chunk_capture
+from .lower.rewrite import rewrite, safe_regions
+from .model_state import ModelState
+from .plan import Plan
+from .profile.bytes_pass import PROFILES, bytes_config, needs_bytes_pass
+from .profile.profiler import ProfileConfig, profile
+from .profile.timing import with_step_times
+from .profile.timing_store import open_store
+from .progress import logger, progress_enabled, stage
 from .solvers import Solution, simulate
 from .solvers.simulate import normalize_regions
-from .state import ModelState
-from .steady import plan_key, steady
 
 __all__ = ["optimize", "Planner", "optimizer_state_bytes", "plan_from_solution"]
 

@@ -109,7 +109,7 @@ def plan_collectively(
     import torch.distributed as dist
 
     from .capture.exported import accept_exported
-    from .state import ModelState
+    from .model_state import ModelState
 
     if on_larger_shape == "replan":
         raise InputError(

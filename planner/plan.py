@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .errors import InputError, PlanFileError, PlanMismatchError
 from .plan_schema import check_plan, read_plan_file, write_file
-from .profile.autotune import summary_rows
+from .plan_summary import autotune_rows
 
 __all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
 
@@ -208,7 +208,7 @@ class Plan:
                     f"{self.graph_overhead_s * 1e3:.1f} ms" + (" (FLOP estimate)" if self.time_source == "flops" else ""),
                 )
             )
-        rows += summary_rows(self.stats)  # autotune's candidates, predicted and measured
+        rows += autotune_rows(self.stats)  # autotune's candidates, predicted and measured
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]
@@ -351,8 +351,8 @@ class Plan:
         if self.problem is None:
             self.problem = self.check_figures(model, cap)
         else:  # not profiled in this capture: which nodes draw random numbers, from one run
-            from .capture.capture import flatten_for_graph
             from .capture.rng import observe_random
+            from .capture.trace import flatten_for_graph
 
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
         self.module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
@@ -373,8 +373,8 @@ class Plan:
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
         """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
-        from .capture.capture import capture, flatten_for_graph
         from .capture.mutation import compute_nodes
+        from .capture.trace import capture, flatten_for_graph
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
         cap = capture(model, example_inputs, method=method)
@@ -412,11 +412,11 @@ class Plan:
         import dataclasses
 
         from .distributed import shard_problem
-        from .profile.profile import ProfileConfig, profile
+        from .model_state import ModelState
+        from .profile.profiler import ProfileConfig, profile
         from .solvers import simulate
         from .solvers.problem import ProblemError
         from .solvers.simulate import normalize_regions
-        from .state import ModelState
 
         with ModelState(model).preserved():
             cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True))

@@ -4,7 +4,7 @@ import warnings
 import pytest
 import torch
 from ckpt_planner import api
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

@@ -9,7 +9,7 @@ from ckpt_planner.api import Planner
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile.memory import AllocatorMeter
 from ckpt_planner.solvers import simulate
-from ckpt_planner.verify import verify
+from ckpt_planner.verification import verify
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 

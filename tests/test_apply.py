@@ -9,7 +9,7 @@ from ckpt_planner import InputError, Plan, PlanMismatchError, ProfileConfig, opt
 from ckpt_planner.lower.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
 from ckpt_planner.plan import Region
 from ckpt_planner.solvers import simulate
-from ckpt_planner.verify import default_loss, measure_step
+from ckpt_planner.verification import default_loss, measure_step
 
 from tests.models import LOCAL, hf_bert
 

@@ -15,8 +15,8 @@ from ckpt_planner import api, optimize
 from ckpt_planner.errors import InputError
 from ckpt_planner.lower import apply as apply_mod
 from ckpt_planner.plan import Plan
-from ckpt_planner.profile import autotune as at
-from ckpt_planner.profile import costfit
+from ckpt_planner.choose import autotune as at
+from ckpt_planner.choose import cost_refit as costfit
 from ckpt_planner.profile.loss import default_loss
 from ckpt_planner.profile.timing_store import TimingStore
 from ckpt_planner.solvers import Node, Problem, Storage, simulate, solve

@@ -6,11 +6,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ckpt_planner import Plan, optimize, verify
 from ckpt_planner.api import Planner
-from ckpt_planner.capture.capture import capture
 from ckpt_planner.capture.tokenwise import axis_lengths, find_tokenwise
+from ckpt_planner.capture.trace import capture
 from ckpt_planner.lower.chunk import ChunkedCall, chunk_capture
-from ckpt_planner.profile.profile import ProfileConfig
-from ckpt_planner.verify import measure_step_peaks
+from ckpt_planner.profile.profiler import ProfileConfig
+from ckpt_planner.verification import measure_step_peaks
 
 FLOPS = ProfileConfig(flop_times=True)
 VOCAB, WIDTH, SEQ = 512, 16, 64

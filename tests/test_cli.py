@@ -294,7 +294,7 @@ def test_failed_verification_exits_1_and_writes_nothing(work, capsys, monkeypatc
     import dataclasses
     import importlib
 
-    verify_module = importlib.import_module("ckpt_planner.verify")  # `ckpt_planner.verify` is the function
+    verify_module = importlib.import_module("ckpt_planner.verification")  # `ckpt_planner.verification` is the function
     real = verify_module.verify
 
     def wrong_gradients(*args, **kwargs):
@@ -311,7 +311,7 @@ def test_failed_verification_exits_1_and_writes_nothing(work, capsys, monkeypatc
 
 def test_profile_a_users_model(work, capsys):
     """`profile MODEL` takes the same MODEL and --input as `plan`: the table is that model's, with its input shape."""
-    from ckpt_planner.capture.capture import capture
+    from ckpt_planner.capture.trace import capture
     from ckpt_planner.cli.examples import MLPChain
 
     code, out, err = run(["profile", f"{work}/factory.py:bare", "--input", "16,32", "--meta", "--json"], capsys)
@@ -337,7 +337,7 @@ def test_profile_counts_the_nodes_timed_by_their_flops(work, capsys, monkeypatch
     from ckpt_planner.profile.timing_store import STORE_ENV
 
     monkeypatch.setenv(STORE_ENV, "off")  # a stored time would stand instead of the estimate
-    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
     monkeypatch.setattr(
         profile_mod, "robust_times", lambda s: {k: min(v) * (8.0 if k.endswith("_2") else 1.0) for k, v in s.items()}
     )

@@ -16,14 +16,14 @@ import warnings
 import pytest
 import torch
 from ckpt_planner.api import Planner
-from ckpt_planner.capture.capture import capture
 from ckpt_planner.capture.export_exact import eager_attention_mask, eager_scaled_dot_product_attention
+from ckpt_planner.capture.trace import capture
 from ckpt_planner.errors import InfeasibleBudgetError
-from ckpt_planner.profile.profile import ProfileConfig
-from ckpt_planner.verify import default_loss, verify
+from ckpt_planner.profile.profiler import ProfileConfig
+from ckpt_planner.verification import default_loss, verify
 
 transformers = pytest.importorskip("transformers")
-capture_mod = importlib.import_module("ckpt_planner.capture.capture")  # the package re-exports a function of that name
+capture_mod = importlib.import_module("ckpt_planner.capture.trace")  # the package re-exports a function of that name
 
 SEQ = 64  # tokens; at 32 the two backward orders happen to round alike on CPU
 

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
-from ckpt_planner.capture.capture import capture
+from ckpt_planner.capture.trace import capture
 from ckpt_planner.cli.examples import TinyGPT
 from ckpt_planner.lower.fastcode import bound_forward
 from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite

@@ -12,7 +12,7 @@ import torch
 from ckpt_planner import Planner, optimize
 from ckpt_planner.cli.cli import main
 from ckpt_planner.cli.examples import MLPChain
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.solvers import InfeasibleBudgetError
 from torch import nn
 
@@ -117,7 +117,7 @@ def test_plan_verify_prints_the_demos_verdict_line(work, capsys):
 def test_plan_verify_over_budget_exits_1_and_says_so(work, capsys, monkeypatch):
     import dataclasses
 
-    verify_module = importlib.import_module("ckpt_planner.verify")
+    verify_module = importlib.import_module("ckpt_planner.verification")
     real = verify_module.verify
 
     def over(*args, **kwargs):
@@ -167,11 +167,11 @@ def test_plan_without_regions_runs_the_model_and_predicts_no_overhead():
 def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch, tmp_path, caplog):
     """Times measured later are lower here (a machine that got quieter): the second call must not see them,
     or a tighter budget could look cheaper than a looser one."""
-    from ckpt_planner.profile.first_pass import PROFILES
+    from ckpt_planner.profile.bytes_pass import PROFILES
 
     monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
     PROFILES.clear()
-    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
     real, calls = profile_mod.robust_times, []
 
     def quieter(samples):
@@ -223,7 +223,7 @@ def test_bench_header_and_rows_share_one_baseline():
 def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monkeypatch, caplog):
     transformers = pytest.importorskip("transformers")
     api = importlib.import_module("ckpt_planner.api")
-    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
 
     real = profile_mod._profile_real
 
@@ -327,7 +327,7 @@ def test_report_solver_statistics_are_a_table(reported):
 
 def test_cli_plan_refuses_an_infeasible_budget_before_timing(work, capsys, monkeypatch):
     api = importlib.import_module("ckpt_planner.api")
-    profile_mod = importlib.import_module("ckpt_planner.profile.profile")
+    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
     real = profile_mod._profile_real
 
     def untimed_only(gm, flat, config, dev):

@@ -18,16 +18,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
 from ckpt_planner.api import Planner
-from ckpt_planner.capture.capture import capture
 from ckpt_planner.capture.mutation import compute_nodes, mutated_inputs
+from ckpt_planner.capture.trace import capture
 from ckpt_planner.lower.rewrite import rewrite, safe_regions
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.solvers.basic import segment_runs
-from ckpt_planner.verify import default_loss
+from ckpt_planner.verification import default_loss
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-capture_mod = importlib.import_module("ckpt_planner.capture.capture")  # the package re-exports a function of that name
+capture_mod = importlib.import_module("ckpt_planner.capture.trace")  # the package re-exports a function of that name
 rewrite_mod = importlib.import_module("ckpt_planner.lower.rewrite")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -556,7 +556,7 @@ def test_moe_tokens_per_expert_replayed(name, solver):
     """Every solver's plan on a tiny MoE decoder: the step is bitwise the model's, the allocator's peak is
     within the budget, and each recompute of a router sends as many tokens to each expert as its forward."""
     from ckpt_planner.errors import InfeasibleBudgetError
-    from ckpt_planner.verify import verify
+    from ckpt_planner.verification import verify
 
     model, inputs, planner = _moe_planner(name)
     try:
@@ -618,7 +618,7 @@ def test_router_reading_a_bias_updated_later_stays_outside_regions():
     """A recompute runs after the forward updated the bias: it would route otherwise (gradients 111 off with
     the safety net off; with it, no plan). The reads of the bias stay outside regions and the plan says so."""
     from ckpt_planner import optimize
-    from ckpt_planner.verify import verify
+    from ckpt_planner.verification import verify
 
     torch.manual_seed(0)
     model, x = BiasBalancedMoE(d=16, layers=6), torch.randn(512, 16)

@@ -24,11 +24,11 @@ from ckpt_planner import optimize
 from ckpt_planner.api import Planner
 from ckpt_planner.capture.mutation import compute_nodes
 from ckpt_planner.capture.rng import uses_rng
+from ckpt_planner.choose.safety_net import inexact_parts, step_differences
 from ckpt_planner.errors import InexactPlanError
-from ckpt_planner.exactness import inexact_parts, step_differences
 from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite
 from ckpt_planner.profile.loss import default_loss
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.solvers.basic import segment_runs
 from torch.utils import _pytree as pytree
 

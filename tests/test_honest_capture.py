@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from ckpt_planner import optimize, verify
 from ckpt_planner.errors import StaleGraphError
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 
 from .models import mlp
 

@@ -25,7 +25,7 @@ from ckpt_planner.compile.knapsack import (
     estimate_candidate,
     solve_knapsack,
 )
-from ckpt_planner.profile.profile import _roofline
+from ckpt_planner.profile.profiler import _roofline
 
 from tests.compiled_checks import assert_trains, step_grads
 

@@ -11,8 +11,8 @@ import pytest
 
 PLANNER = pathlib.Path(__file__).resolve().parents[1] / "planner"
 
-FOUNDATION = {"errors", "state", "progress"}
-LAYERS = {"capture": 1, "lower": 2, "profile": 3, "": 4, "compile": 5, "api": 6, "cli": 7, "integrations": 7}
+FOUNDATION = {"errors", "model_state", "progress", "settings"}
+LAYERS = {"capture": 1, "lower": 2, "profile": 3, "": 4, "choose": 5, "compile": 6, "api": 7, "cli": 8, "integrations": 8}
 """Layer of each folder ('' = the plan layer: the other modules at the top of planner/)."""
 
 
@@ -26,7 +26,7 @@ def _layer(module: str) -> int:
     if module in FOUNDATION:
         return 0
     if module in ("__main__", ""):  # the package's own __init__ and __main__: above everything
-        return 8
+        return 9
     head = module.split(".")[0]
     if "." in module:
         return LAYERS[head]
@@ -109,8 +109,8 @@ def test_a_plan_saved_before_the_stage_folders_loads_and_rebuilds():
     planner/): the same graph, regions and figures rebuild today, and the step is the model's, bitwise."""
     import torch
     from ckpt_planner import Plan
+    from ckpt_planner.choose.safety_net import step_differences
     from ckpt_planner.cli.examples import gpt_example
-    from ckpt_planner.exactness import step_differences
 
     plan = Plan.load(pathlib.Path(__file__).parent / "fixtures" / "gpt_plan_flat_layout.json")
     model, x = gpt_example(batch=4, seq=32, layers=2, d=32)

@@ -51,11 +51,14 @@ def test_top_level_import_is_torch_free_and_exports_functions(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
     code = (
         "import importlib, ckpt_planner\n"
-        "importlib.import_module('ckpt_planner.verify'); importlib.import_module('ckpt_planner.capture.capture')\n"
-        "from ckpt_planner import capture, profile, verify\n"
+        "importlib.import_module('ckpt_planner.verification'); importlib.import_module('ckpt_planner.capture.trace')\n"
+        "from ckpt_planner import verify\n"
         "assert callable(verify) and verify.__name__ == 'verify', verify\n"
+        "from ckpt_planner.capture import capture\n"
+        "from ckpt_planner.profile import profile\n"
         "assert capture.__name__ == 'capture' and profile.__name__ == 'profile'\n"
         "assert set(ckpt_planner.__all__) <= set(dir(ckpt_planner))\n"
+        "assert all(getattr(ckpt_planner, n) is not None for n in ckpt_planner.__all__)\n"
         "print('ok')\n"
     )
     out = _run(code, tmp_path)

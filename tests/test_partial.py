@@ -4,8 +4,9 @@ eagerly; gradients equal the model's, the measured peak is within the budget and
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import CaptureError, InfeasibleBudgetError, ProfileConfig, capture, optimize, verify
-from ckpt_planner.partial import PartialPlanner, _record_calls
+from ckpt_planner import CaptureError, InfeasibleBudgetError, ProfileConfig, optimize, verify
+from ckpt_planner.capture import capture
+from ckpt_planner.choose.partial import PartialPlanner, _record_calls
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 

@@ -5,9 +5,11 @@ import sys
 
 import pytest
 import torch
-from ckpt_planner import CaptureError, ProfileConfig, capture, profile
+from ckpt_planner import CaptureError, ProfileConfig
+from ckpt_planner.capture import capture
+from ckpt_planner.model_state import rng_preserved
+from ckpt_planner.profile import profile
 from ckpt_planner.profile.memory import storage_key
-from ckpt_planner.state import rng_preserved
 
 from tests.models import ALL, HF, LOCAL, DataDependent
 
@@ -163,7 +165,7 @@ def test_view_output_gradient_is_counted():
     # 820 KB peak. A view makes no storage; its gradient, made by the mul's backward and handed
     # on as a view, is the projection's gradient, so the mul's backward makes that one.
     from ckpt_planner.solvers import simulate
-    from ckpt_planner.verify import default_loss, measure_step
+    from ckpt_planner.verification import default_loss, measure_step
 
     torch.manual_seed(0)
     model, x = SplitHeads(), torch.randn(4, 64, 16)

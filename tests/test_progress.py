@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ckpt_planner import optimize, verify
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 
 from .models import mlp
 
@@ -20,7 +20,7 @@ def _plan(**kw):
 
 
 def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
-    from ckpt_planner.profile.first_pass import PROFILES
+    from ckpt_planner.profile.bytes_pass import PROFILES
 
     PROFILES.clear()  # a fresh profile: every stage runs
     with caplog.at_level(logging.INFO, logger="ckpt_planner"):
@@ -41,7 +41,7 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
 
 
 def test_progress_true_writes_to_stderr_without_a_tty(capsys) -> None:
-    from ckpt_planner.profile.first_pass import PROFILES
+    from ckpt_planner.profile.bytes_pass import PROFILES
 
     PROFILES.clear()  # a fresh profile: every stage runs
     logger = logging.getLogger("ckpt_planner")

@@ -244,7 +244,7 @@ def test_measured_timeline_keeps_the_true_peak():
     from ckpt_planner.cli.bench import measure_timeline
     from ckpt_planner.cli.examples import MLPChain
     from ckpt_planner.cli.report import _downsample
-    from ckpt_planner.verify import default_loss, measure_step
+    from ckpt_planner.verification import default_loss, measure_step
 
     torch.manual_seed(0)
     model, x = MLPChain(d=32, blocks=4), torch.randn(64, 32)

@@ -14,7 +14,7 @@ from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConf
 from ckpt_planner import api as api_module
 from ckpt_planner.lower.apply import checkpointed_modules
 from ckpt_planner.solvers import simulate
-from ckpt_planner.verify import default_loss, measure_step
+from ckpt_planner.verification import default_loss, measure_step
 from torch.utils.checkpoint import checkpoint
 
 from tests.models import LOCAL

@@ -3,9 +3,11 @@
 import ckpt_planner.solvers as solvers
 import pytest
 import torch
-from ckpt_planner import ProfileConfig, capture, optimize, profile
+from ckpt_planner import ProfileConfig, optimize
 from ckpt_planner.api import optimizer_state_bytes
+from ckpt_planner.capture import capture
 from ckpt_planner.errors import InfeasibleBudgetError
+from ckpt_planner.profile import profile
 
 FAST = ProfileConfig(warmup=0, repeats=1)
 

@@ -13,7 +13,7 @@ from ckpt_planner.api import Planner
 from ckpt_planner.cli.examples import TinyGPT
 from ckpt_planner.lower.rewrite import CheckpointRegion, rewrite
 from ckpt_planner.lower.selective import saveable_flags
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.profile.timing import anchor_times
 from ckpt_planner.solvers import simulate, solve
 from ckpt_planner.solvers.basic import segment_runs
@@ -167,7 +167,7 @@ class Composite(nn.Module):
 
 def test_composite_nodes_are_not_kept_where_the_cache_would_hold_more():
     from ckpt_planner.lower.selective import policy_costs
-    from ckpt_planner.verify import measure_step_peaks
+    from ckpt_planner.verification import measure_step_peaks
 
     torch.manual_seed(0)
     model, x = Composite().train(), torch.randn(64, 16)

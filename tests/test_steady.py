@@ -5,13 +5,13 @@ import dataclasses
 import json
 
 import pytest
-from ckpt_planner import steady as steady_mod
+from ckpt_planner.choose import plan_store as steady_mod
 from ckpt_planner.api import Planner
+from ckpt_planner.choose.plan_store import KEEP_WITHIN, plan_key, steady
 from ckpt_planner.cli.examples import TinyGPT
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.profile.timing_store import STORE_ENV, TimingStore
 from ckpt_planner.solvers import Node, Problem, Solution, Storage, simulate
-from ckpt_planner.steady import KEEP_WITHIN, plan_key, steady
 
 
 def chain(n: int = 8, step: float = 100.0) -> Problem:

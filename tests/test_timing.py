@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 import torch
-from ckpt_planner import ProfileConfig, capture, profile
+from ckpt_planner import ProfileConfig
+from ckpt_planner.capture import capture
 from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.profile import profile
 from ckpt_planner.profile.timing import DISAGREE, anchor_times, op_key, quantize
 from ckpt_planner.profile.timing_store import TimingStore
 

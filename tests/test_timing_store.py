@@ -5,8 +5,10 @@ import importlib
 import json
 
 import torch
-from ckpt_planner import ProfileConfig, capture, profile, solvers
+from ckpt_planner import ProfileConfig, solvers
+from ckpt_planner.capture import capture
 from ckpt_planner.cli.examples import TinyGPT
+from ckpt_planner.profile import profile
 from ckpt_planner.profile import timing as timing_mod
 from ckpt_planner.profile.timing import with_step_times
 from ckpt_planner.profile.timing_store import STORE_ENV, TimingStore, open_store
@@ -42,7 +44,7 @@ LOAD = 1000.0
 def _loaded(monkeypatch, factor):
     """Every timed run reads `factor` times slower, as on a machine another job is loading."""
     real = timing_mod.robust_times
-    profile_mod = importlib.import_module("ckpt_planner.profile.profile")  # the package's `profile` is the function
+    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")  # the package's `profile` is the function
     monkeypatch.setattr(profile_mod, "robust_times", lambda s: {k: v * factor for k, v in real(s).items()})
     fastest = timing_mod.with_fastest
     monkeypatch.setattr(profile_mod, "with_fastest", lambda c, s: fastest(c, {k: [v * factor for v in ts] for k, ts in s.items()}))

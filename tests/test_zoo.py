@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 from ckpt_planner.api import Planner
-from ckpt_planner.profile.profile import ProfileConfig
+from ckpt_planner.profile.profiler import ProfileConfig
 
 from tests.zoo_models import ZOO, build, run_case, solver_names
 

@@ -228,7 +228,7 @@ def run_case(
     of a plan with the same regions (spans, nesting and kept ops).
     """
     from ckpt_planner.errors import InfeasibleBudgetError
-    from ckpt_planner.verify import verify
+    from ckpt_planner.verification import verify
 
     row: dict[str, Any] = {
         "solver": solver, "fraction": fraction, "feasible": True, "smallest_bytes": None,
@@ -285,9 +285,9 @@ def run_case(
 
 def _same_step(model: nn.Module, a: nn.Module, b: nn.Module, inputs: object) -> bool:
     """One training step of `a` and of `b` (both running `model`'s state) bitwise equal: outputs, grads, buffers."""
-    from ckpt_planner.capture.capture import normalize_inputs
-    from ckpt_planner.state import ModelState
-    from ckpt_planner.verify import default_loss
+    from ckpt_planner.capture.trace import normalize_inputs
+    from ckpt_planner.model_state import ModelState
+    from ckpt_planner.verification import default_loss
     from torch.utils import _pytree as pytree
 
     args, kwargs = normalize_inputs(inputs, model)

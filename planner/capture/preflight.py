@@ -74,9 +74,9 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
     """The error a forward on fake copies of the inputs raises, or None (nothing is computed)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-    from ..state import ModelState
+    from ..model_state import ModelState
     from .archive import quiet_torch_export
-    from .capture import normalize_inputs
+    from .trace import normalize_inputs
 
     args, kwargs = normalize_inputs(inputs)
     try:
@@ -98,8 +98,8 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
 
 
 def _real_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
-    from ..state import ModelState
-    from .capture import normalize_inputs
+    from ..model_state import ModelState
+    from .trace import normalize_inputs
 
     args, kwargs = normalize_inputs(inputs)
     try:

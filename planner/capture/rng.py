@@ -199,7 +199,7 @@ def observe_random(gm: fx.GraphModule, flat: list[Any]) -> None:
                 if moved(before):
                     mode.random.add(n.name)
 
-    from ..state import ModelState
+    from ..model_state import ModelState
 
     try:
         with ModelState(gm).preserved(), torch.no_grad(), mode:

@@ -290,8 +290,8 @@ def load(trust_pickle: bool = False, trust_code: bool = False):
 if __name__ == "__main__":
     import sys
 
-    from ckpt_planner.capture.capture import normalize_inputs
-    from ckpt_planner.verify import default_loss
+    from ckpt_planner.capture.trace import normalize_inputs
+    from ckpt_planner.verification import default_loss
 
     try:
         applied = load(trust_pickle="--trust-pickle" in sys.argv, trust_code="--trust-code" in sys.argv)

@@ -94,7 +94,7 @@ def step_times(
     """Median seconds of one forward + backward of `model` and of each of `modules`, in interleaved rounds
     (after one warm-up each): (model's, module's) for one module, (model's, [each module's]) for a list.
     A module that is the model itself is not timed twice: its figure is the model's."""
-    from ..state import ModelState
+    from ..model_state import ModelState
 
     single = isinstance(modules, torch.nn.Module)
     mods = [modules] if single else list(modules)
@@ -146,10 +146,10 @@ def bench(
     budget gets an 'infeasible' row.
     """
     from .. import solvers
-    from ..capture.capture import flatten_for_graph, normalize_inputs
+    from ..capture.trace import flatten_for_graph, normalize_inputs
+    from ..model_state import ModelState
     from ..plan import graph_fingerprint
-    from ..state import ModelState
-    from ..verify import default_loss, verify
+    from ..verification import default_loss, verify
 
     model, cap = planner.model, planner.capture
     args, kwargs = normalize_inputs(example_inputs, model)

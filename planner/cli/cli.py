@@ -76,10 +76,10 @@ def _report_dict(report) -> dict:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Print the per-node cost table and totals of a model (MODEL as for `plan`) or a built-in example."""
-    from ..capture.capture import capture
+    from ..capture.trace import capture
     from ..errors import InputError
-    from ..profile.profile import ProfileConfig, profile
-    from ..state import ModelState
+    from ..model_state import ModelState
+    from ..profile.profiler import ProfileConfig, profile
     from .examples import EXAMPLES
 
     if args.model is not None and args.example is not None:
@@ -258,9 +258,9 @@ def _plan_inexact(args: argparse.Namespace, loaded, inputs, exact_planner):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan checkpointing for a saved model; write the plan file (with the report's data)."""
-    from .. import report as rep
     from .. import solvers
     from ..errors import InputError
+    from . import report as rep
 
     solvers.get_solver(args.solver)
     if args.verify and args.device == "meta":
@@ -328,7 +328,7 @@ def _curve_solvers(args: argparse.Namespace) -> list[str]:
 
 
 def _verify_into(plan, model, inputs) -> tuple[bool, str, str]:
-    from ..verify import verify
+    from ..verification import verify
 
     report = verify(model, plan, inputs)
     plan.measured_peak_bytes = report.measured_peak_bytes
@@ -387,9 +387,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Optimize + verify with each solver side by side; table or JSON."""
-    from .. import bench as rep
     from .. import solvers
     from ..errors import InputError
+    from . import bench as rep
 
     if args.device == "meta":
         raise InputError("device: bench runs the model; use --device cpu or cuda")
@@ -438,8 +438,8 @@ def _tick(bar, name: str) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
-    from .. import report as rep
     from ..errors import InputError, PlanFileError
+    from . import report as rep
 
     out = _check_output(args.output, "output")
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")

@@ -204,7 +204,7 @@ class CompiledPlanner:
         return self._choose(got, errors)
 
     def _budget_bytes(self, *, budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
-        from ..budget import check_budget_args as _check_budget_args
+        from ..choose.budget import check_budget_args as _check_budget_args
 
         budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
         if activation_budget is not None:
@@ -442,7 +442,7 @@ def compile_saved_plan(model: torch.nn.Module, plan: Plan, example_inputs: Any =
     if "target_bytes" not in info:
         raise InputError("compile_saved_plan: the plan's stats.compiled.knapsack has no target_bytes; re-plan "
                          "with optimize(..., compile=True)")
-    from ..profile.profile import ProfileConfig
+    from ..profile.profiler import ProfileConfig
 
     config = ProfileConfig(peak_flops=info.get("peak_flops"), bandwidth=info.get("bandwidth"))
     solver = KnapsackSolver(int(info["target_bytes"]), config=config)

@@ -11,8 +11,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
+from ..model_state import ModelState
 from ..profile.memory import AllocatorMeter
-from ..state import ModelState
 
 __all__ = ["interleaved_step_times", "measure_compiled_step"]
 

@@ -31,7 +31,7 @@ from torch._inductor.custom_graph_pass import CustomKnapsackSolver, get_hash_for
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
-from ..profile.profile import ProfileConfig, _roofline
+from ..profile.profiler import ProfileConfig, _roofline
 from ..profile.record import flop_formulas
 
 __all__ = ["Candidate", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "inductor_backend", "solve_knapsack"]

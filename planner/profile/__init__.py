@@ -3,6 +3,6 @@
 The names of `profile.py` are re-exported, so `from ckpt_planner.profile import ProfileConfig, profile`
 works as when it was a module; `profile` here is the function (bound after the submodule is imported)."""
 
-from .profile import CostProfiler, ProfileConfig, profile
+from .profiler import CostProfiler, ProfileConfig, profile
 
 __all__ = ["CostProfiler", "ProfileConfig", "profile"]

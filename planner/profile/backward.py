@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..capture.capture import _key_line
+from ..capture.trace import _key_line
 from ..solvers.simulate import simulate
 from .graph import CostGraph
 from .loss import default_loss

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..capture.capture import Capture, flatten_for_graph
 from ..capture.mutation import mutated_inputs, stale_reads, writes_by_schema, written_roots
 from ..capture.rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
+from ..capture.trace import Capture, flatten_for_graph
 from ..errors import InputError
 from ..lower.selective import try_policy_costs
-from ..state import rng_preserved
+from ..model_state import rng_preserved
 from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, storage_key

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .profile.loss import default_loss
-from .state import ModelState
+from ..model_state import ModelState
+from ..profile.loss import default_loss
 
 __all__ = ["step_differences", "inexact_parts"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .profile.timing_store import TimingStore, signature
-from .solvers import Problem, Solution, simulate
-from .solvers.problem import ProblemError
-from .solvers.simulate import normalize_regions, normalize_saved
+from ..profile.timing_store import TimingStore, signature
+from ..solvers import Problem, Solution, simulate
+from ..solvers.problem import ProblemError
+from ..solvers.simulate import normalize_regions, normalize_saved
 
 __all__ = ["KEEP_WITHIN", "plan_key", "steady"]
 

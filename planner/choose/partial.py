@@ -38,18 +38,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture.capture import Capture, capture, normalize_inputs
-from .capture.mutation import compute_nodes
-from .capture.shapes import ShapeGuard, input_shapes
-from .errors import CaptureError, ShapeError
-from .lower.apply import with_replaced
-from .lower.rewrite import rewrite, safe_regions
-from .plan import Plan, Region
-from .profile.graph import CostGraph
-from .profile.profile import ProfileConfig, profile
-from .solvers import Node, Problem, Storage, simulate
-from .solvers.simulate import normalize_regions
-from .state import ModelState
+from ..capture.mutation import compute_nodes
+from ..capture.shapes import ShapeGuard, input_shapes
+from ..capture.trace import Capture, capture, normalize_inputs
+from ..errors import CaptureError, ShapeError
+from ..lower.apply import with_replaced
+from ..lower.rewrite import rewrite, safe_regions
+from ..model_state import ModelState
+from ..plan import Plan, Region
+from ..profile.graph import CostGraph
+from ..profile.profiler import ProfileConfig, profile
+from ..solvers import Node, Problem, Storage, simulate
+from ..solvers.simulate import normalize_regions
 
 __all__ = ["Piece", "PartialPlanner", "find_pieces"]
 

@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError
-from ..state import ModelState
+from ..model_state import ModelState
 from .export_exact import match_eager_attention, recording_mask_skips
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
 from .shapes import export_dynamic

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture.capture import normalize_inputs
+from .capture.trace import normalize_inputs
+from .model_state import ModelState
 from .plan import Plan
 from .profile.loss import default_loss  # re-exported: callers import it from here
 from .profile.memory import StepPeaks, measure_step_peaks  # re-exported: callers import them from here
 from .progress import logger, progress_enabled, stage
-from .state import ModelState
 
 __all__ = ["Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks"]
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import solvers
+from .. import solvers
+from ..capture.trace import flatten_for_graph
+from ..plan import Plan, Region, graph_fingerprint
+from ..profile.graph import CostGraph
+from ..solvers import Problem, Solution, simulate
+from ..solvers.simulate import normalize_regions
 from .budget import inner_budget, smallest_budget
-from .capture.capture import flatten_for_graph
-from .plan import Plan, Region, graph_fingerprint
-from .profile.graph import CostGraph
-from .solvers import Problem, Solution, simulate
-from .solvers.simulate import normalize_regions
 
 __all__ = [
     "plan_from_solution", "kept_saved", "with_regions", "laminar", "merge_own", "solve_unbudgeted", "solve_partial",

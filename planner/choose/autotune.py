@@ -18,7 +18,7 @@ few interleaved training steps:
 * the whole costs at most `steps` model steps (default AUTOTUNE_STEPS = 30).
 
 `tune` returns the choice and a JSON record of every candidate's predicted and measured figures (the
-plan keeps it in `stats["autotune"]`; `summary_rows` shows it). The caller stores the choice in the
+plan keeps it in `stats["autotune"]`; `plan_summary.autotune_rows` shows it). The caller stores the choice in the
 timing store, so the same model and budget give the same plan on the next run without measuring.
 """
 
@@ -35,18 +35,18 @@ import torch
 
 from .. import solvers
 from ..errors import InputError
+from ..profile.loss import default_loss
+from ..profile.memory import measure_step_peaks
+from ..profile.timing_store import TimingStore
 from ..solvers import Problem, Solution, simulate
 from ..solvers.problem import ProblemError
 from ..solvers.simulate import normalize_regions, normalize_saved
 from ..solvers.structured import structured_plans
-from .costfit import remember
-from .loss import default_loss
-from .memory import measure_step_peaks
-from .timing_store import TimingStore
+from .cost_refit import remember
 
 __all__ = [
     "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
-    "tune", "device_measure", "summary_rows", "stored_choice", "RUNNERS_UP", "autotune_solution",
+    "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
     "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES",
 ]
 
@@ -331,32 +331,6 @@ def device_measure(
         return [Measured(p, tuple(t)) for p, t in zip(peaks, times)], base
 
     return measure
-
-
-def summary_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
-    """Rows for Plan.summary() from `stats["autotune"]`: the choice, the cost, each candidate's figures."""
-    rec = stats.get("autotune")
-    if not isinstance(rec, dict):
-        return []
-    if rec.get("skipped"):
-        return [("autotune", f"not run: {rec['skipped']}")]
-    how = "kept from an earlier run (timing store)" if rec.get("from_store") else (
-        f"{rec.get('steps', 0)} model steps, {rec.get('rounds', 0)} rounds, noise band {100 * rec.get('band', 0):.0f} %")
-    rows = [("autotune", f"chose {rec.get('chosen') or 'the solver plan (none fit on the clock)'}; {how}")]
-    base = rec.get("graph_step_s") or 0.0
-    for c in rec.get("candidates", []):
-        if not isinstance(c, dict):
-            continue
-        pred = c.get("predicted_extra_s", 0.0)
-        meas = c.get("measured_extra_s")
-        pct = (lambda s: f"{100 * s / base:+.1f} %") if base > 0 else (lambda s: f"{s * 1e3:+.1f} ms")
-        rows.append((
-            f"  {'*' if c.get('chosen') else ' '} {c.get('label')}",
-            f"predicted {pct(pred)}, {c.get('predicted_peak_bytes', 0) / 1e6:.1f} MB; measured "
-            + (f"{pct(meas)}, " if meas is not None else "")
-            + f"{c.get('measured_peak_bytes', 0) / 1e6:.1f} MB" + ("" if c.get("fits") else " (over the budget)"),
-        ))
-    return rows
 
 
 def _as(problem: Problem, solution: Solution, regions, saved, stats: dict[str, Any]) -> Solution:

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
-from .solvers import Problem, simulate
-from .solvers.registry import get_solver
+from ..errors import InputError
+from ..solvers import Problem, simulate
+from ..solvers.registry import get_solver
 
 __all__ = ["optimizer_state_bytes", "budget_arg", "inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail"]
 

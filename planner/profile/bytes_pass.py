@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .graph import CostGraph
-from .profile import ProfileConfig
+from .profiler import ProfileConfig
 from .timing_store import store_dir
 
 __all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES"]

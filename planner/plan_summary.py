@@ -1,0 +1,33 @@
+"""The rows of `Plan.summary()` that read the plan's own records (the autotune race)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["autotune_rows"]
+
+
+def autotune_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows for Plan.summary() from `stats["autotune"]`: the choice, the cost, each candidate's figures."""
+    rec = stats.get("autotune")
+    if not isinstance(rec, dict):
+        return []
+    if rec.get("skipped"):
+        return [("autotune", f"not run: {rec['skipped']}")]
+    how = "kept from an earlier run (timing store)" if rec.get("from_store") else (
+        f"{rec.get('steps', 0)} model steps, {rec.get('rounds', 0)} rounds, noise band {100 * rec.get('band', 0):.0f} %")
+    rows = [("autotune", f"chose {rec.get('chosen') or 'the solver plan (none fit on the clock)'}; {how}")]
+    base = rec.get("graph_step_s") or 0.0
+    for c in rec.get("candidates", []):
+        if not isinstance(c, dict):
+            continue
+        pred = c.get("predicted_extra_s", 0.0)
+        meas = c.get("measured_extra_s")
+        pct = (lambda s: f"{100 * s / base:+.1f} %") if base > 0 else (lambda s: f"{s * 1e3:+.1f} ms")
+        rows.append((
+            f"  {'*' if c.get('chosen') else ' '} {c.get('label')}",
+            f"predicted {pct(pred)}, {c.get('predicted_peak_bytes', 0) / 1e6:.1f} MB; measured "
+            + (f"{pct(meas)}, " if meas is not None else "")
+            + f"{c.get('measured_peak_bytes', 0) / 1e6:.1f} MB" + ("" if c.get("fits") else " (over the budget)"),
+        ))
+    return rows
