@@ -17,9 +17,9 @@ interquartile range per contender, and for "ours vs compile@0.5" the median and 
 ratio of the two. Gradients of every contender are compared with those of the compiled step without
 a budget.
 
-    python benchmarks/compile.py                                # gpt2, llama (cpu sizes), unet (tiny)
-    python benchmarks/compile.py --models llama --update        # re-run one model, merge into the results
-    python benchmarks/compile.py --models gpt2 --fractions 0.5 --budgets 2 --lowerings regions,knapsack --out /tmp/c
+    python -m benchmarks.compile                                # gpt2, llama (cpu sizes), unet (tiny)
+    python -m benchmarks.compile --models llama --update        # re-run one model, merge into the results
+    python -m benchmarks.compile --models gpt2 --fractions 0.5 --budgets 2 --lowerings regions,knapsack --out /tmp/c
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ import time
 from pathlib import Path
 
 import torch
+from ckpt_planner import Planner
+from ckpt_planner.compile.compiled import CompiledPlanner, _quartiles, measure_compiled_step
+from ckpt_planner.verification import default_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from ckpt_planner import Planner  # noqa: E402
-from ckpt_planner.compile.compiled import CompiledPlanner, _quartiles, measure_compiled_step  # noqa: E402
-from ckpt_planner.verification import default_loss  # noqa: E402
-from tradeoff_models import MODELS  # noqa: E402
+from .tradeoff_models import MODELS
 
 SCALES = {"gpt2": "cpu", "llama": "cpu", "unet": "tiny"}  # models and the size each runs at
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -263,7 +261,7 @@ def _replans(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compile", description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(SCALES), help=f"comma-separated, of {', '.join(SCALES)}")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--budgets", type=int, default=10, help="our budgets per model and lowering, at least (default 10)")
@@ -288,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.recompile_limit = 64  # one cache entry per compiled variant of the same forward
     fractions = [float(f) for f in args.fractions.split(",") if f]
     t0 = time.perf_counter()
-    command = "python benchmarks/compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.compile " + " ".join(argv if argv is not None else sys.argv[1:])
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {"date": date, "repeats": args.repeats, "budgets": args.budgets, "command": command,
                "fractions": fractions, "models": []}

@@ -13,8 +13,8 @@ Models: GPT-2, Llama, BERT and ViT, plus tiny Qwen2, Mistral and Phi3 configs (a
 do not use), all at shapes other than the trade-off benchmark's. The timing store is a fresh folder per
 run (autotune's choices and refit start empty), unless --store names one.
 
-    python benchmarks/frontier.py                 # every model (about 10 minutes on 2 CPU cores)
-    python benchmarks/frontier.py --quick --models llama,gpt2
+    python -m benchmarks.frontier                 # every model (about 10 minutes on 2 CPU cores)
+    python -m benchmarks.frontier --quick --models llama,gpt2
 
 Writes benchmarks/results/frontier.{json,md} and frontier-<model>.png.
 """
@@ -36,15 +36,12 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the allocator meter, without a
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from ckpt_planner.api import Planner  # noqa: E402
 from ckpt_planner.choose.cost_refit import learned  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV, open_store  # noqa: E402
 from ckpt_planner.solvers import InfeasibleBudgetError, simulate  # noqa: E402
-from ckpt_planner.solvers.selective import selective  # noqa: E402
+from ckpt_planner.solvers.heuristics.selective import selective  # noqa: E402
 from ckpt_planner.verification import default_loss, measure_step_peaks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -364,7 +361,7 @@ def plot(models: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.frontier", description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--quick", action="store_true", help="small shapes (3 layers) and 3 rounds: a smoke run")
     ap.add_argument("--rounds", type=int, default=None, help="timed interleaved steps per module (default 21; quick 3)")

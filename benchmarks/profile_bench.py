@@ -6,7 +6,7 @@ profile on real tensors (ProfileConfig defaults: one warm-up and three timed
 runs per node) and on fake tensors (meta mode: bytes exact, time from FLOPs).
 Records wall times, node counts and whether the two modes agree byte for byte.
 
-    python benchmarks/profile_bench.py [--layers 12 --hidden 768 --heads 12 --batch 4 --seq 512]
+    python -m benchmarks.profile_bench [--layers 12 --hidden 768 --heads 12 --batch 4 --seq 512]
 
 Writes benchmarks/results/profile.json and profile.md.
 """
@@ -17,17 +17,15 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from ckpt_planner.capture.trace import capture
+from ckpt_planner.profile.profiler import ProfileConfig, profile
 
-import torch  # noqa: E402
-from ckpt_planner.capture.trace import capture  # noqa: E402
-from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _timed(fn):
@@ -94,7 +92,7 @@ def markdown(r: dict) -> str:
         [
             "# Profiling cost: GPT-2-small-shaped model on CPU",
             "",
-            f"`python benchmarks/profile_bench.py` on {r['machine']} (1-minute load average "
+            f"`python -m benchmarks.profile_bench` on {r['machine']} (1-minute load average "
             f"{r['load_average_1min']:.1f} when it finished), torch {r['torch']}, transformers {r['transformers']}, "
             f"{r['measured_at']}. {r['model']}, batch {r['batch']}, sequence {r['seq']}, "
             f"{r['parameters'] / 1e6:.1f} M parameters, captured with {r['capture_method']}.",
@@ -119,7 +117,7 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)

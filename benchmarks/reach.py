@@ -15,8 +15,8 @@ non-reentrant), every-2 (`every_n_layers=2`), ours (exact, `optimize(..., budget
 Models return the loss only (a wrapper around the HF model, as Mini-Sequence Transformer, Liger and
 Cut-Cross-Entropy users write): a model returning its full logits must materialize them as an output.
 
-    python benchmarks/reach.py --quick            # Llama shape only, coarse search (minutes)
-    python benchmarks/reach.py                    # every model
+    python -m benchmarks.reach --quick            # Llama shape only, coarse search (minutes)
+    python -m benchmarks.reach                    # every model
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from ckpt_planner import optimize  # noqa: E402
 from ckpt_planner.profile.profiler import ProfileConfig  # noqa: E402
 from ckpt_planner.solvers import InfeasibleBudgetError  # noqa: E402
@@ -271,7 +268,7 @@ def _markdown(results: dict, meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.reach", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="Llama shape only (unless --models), longest sequence only (the CNN: batch), coarse search")
     ap.add_argument("--models", default=None, help="comma-separated: llama,qwen2,gpt2,bert,cnn")

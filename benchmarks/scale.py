@@ -8,9 +8,9 @@ below the fixed memory, which must fail naming the smallest feasible budget
 (that budget is then solved to check it is feasible). Wall time per budget is
 capture + profile + solve; the target is under 60 s.
 
-    python benchmarks/scale.py                     # both models, solver uniform
-    python benchmarks/scale.py --solver greedy --compare uniform dp auto   # as in results/
-    python benchmarks/scale.py --render            # rewrite scale.md from scale.json
+    python -m benchmarks.scale                     # both models, solver uniform
+    python -m benchmarks.scale --solver greedy --compare uniform dp auto   # as in results/
+    python -m benchmarks.scale --render            # rewrite scale.md from scale.json
 
 Writes benchmarks/results/scale.json and scale.md.
 """
@@ -28,16 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ckpt_planner.solvers as solvers
+import torch
+from ckpt_planner.api import optimize
+from ckpt_planner.capture.trace import capture
+from ckpt_planner.distributed import optimizer_state_bytes
+from ckpt_planner.errors import InfeasibleBudgetError
+from ckpt_planner.profile.profiler import ProfileConfig, profile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import ckpt_planner.solvers as solvers  # noqa: E402
-import torch  # noqa: E402
-from ckpt_planner.api import optimize, optimizer_state_bytes  # noqa: E402
-from ckpt_planner.capture.trace import capture  # noqa: E402
-from ckpt_planner.errors import InfeasibleBudgetError  # noqa: E402
-from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
-
 GB = 1e9
 TARGET_S = 60.0
 BUDGETS = ((24, None), (40, None), (64, "adamw"), (80, "adamw"))  # (GB, optimizer)
@@ -185,7 +184,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Planning at scale on the meta device",
         "",
-        f"`python benchmarks/scale.py` on {env['machine']} ({env['cpus']} CPUs, 1-minute load average "
+        f"`python -m benchmarks.scale` on {env['machine']} ({env['cpus']} CPUs, 1-minute load average "
         f"{env.get('load_start', float('nan')):.1f} at the start), "
         f"torch {env['torch']}, transformers {env['transformers']}. Models built on the meta device in bf16, "
         "batch 1; bytes exact on fake tensors, time from FLOPs. Wall = capture + profile + solve "
@@ -281,7 +280,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--solver", default="uniform", help="solver timed in the wall figure (default uniform)")
     ap.add_argument("--compare", nargs="*", default=[], help="other solvers to time on the same problems")

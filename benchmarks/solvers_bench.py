@@ -1,6 +1,6 @@
 """Solve time and optimality gap of every solver on synthetic chains and layered DAGs.
 
-    python benchmarks/solvers_bench.py [problem.json ...] [--quick]
+    python -m benchmarks.solvers_bench [problem.json ...] [--quick]
 
 Budgets are 30 / 50 / 70 % of the activation memory of the step without
 checkpointing (peak minus fixed bytes) plus the fixed bytes. The gap of a
@@ -20,15 +20,12 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
+from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 2**20
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -236,7 +233,7 @@ def uniform_comparison(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.solvers_bench", description=__doc__.splitlines()[0])
     parser.add_argument("problems", nargs="*", help="extra Problem JSON files (Problem.to_dict format)")
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     parser.add_argument("--no-captured", action="store_true", help="skip the captured GPT-2 and ResNet graphs")

@@ -29,9 +29,9 @@ parameters, buffers and inputs. The model's output is held through the
 backward (`out = model(x); loss(out).backward()`), the step the planner
 predicts; `model(x).loss.backward()` frees the logits before the backward.
 
-    python benchmarks/tradeoff.py                      # CPU sizes, all models (minutes)
-    python benchmarks/tradeoff.py --scale tiny --models gpt2 --out /tmp/t
-    python benchmarks/tradeoff.py --device cuda --scale full
+    python -m benchmarks.tradeoff                      # CPU sizes, all models (minutes)
+    python -m benchmarks.tradeoff --scale tiny --models gpt2 --out /tmp/t
+    python -m benchmarks.tradeoff --device cuda --scale full
 """
 
 from __future__ import annotations
@@ -45,20 +45,15 @@ import platform
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's memory meter, without a log line per start
 
+import ckpt_planner.solvers as solvers  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import ckpt_planner.solvers as solvers  # noqa: E402
 from ckpt_planner.api import Planner, plan_from_solution  # noqa: E402
 from ckpt_planner.capture.trace import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
@@ -66,11 +61,12 @@ from ckpt_planner.profile.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
 from ckpt_planner.profile.timing import with_step_times  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV  # noqa: E402
-from ckpt_planner.solvers.selective import block_regions  # noqa: E402
+from ckpt_planner.solvers.heuristics.selective import block_regions  # noqa: E402
 from ckpt_planner.verification import default_loss  # noqa: E402
-from tradeoff_batch import largest_batches  # noqa: E402
-from tradeoff_models import MODELS, SIZES  # noqa: E402
-from tradeoff_report import write_report  # noqa: E402
+
+from .tradeoff_batch import largest_batches  # noqa: E402
+from .tradeoff_models import MODELS, SIZES  # noqa: E402
+from .tradeoff_report import write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUR_BUDGETS = (0.25, 0.5, 0.75)
@@ -421,7 +417,7 @@ def run_model(case, args, kwargs, device, solver_names, compile_budgets, repeats
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tradeoff", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--scale", choices=("tiny", "cpu", "wide", "full"), default="cpu",
                     help="model sizes (tradeoff_models.SIZES); 'wide' (d=256, seq 256, batch 4) is for gpt2 and llama only")

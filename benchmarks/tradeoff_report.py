@@ -283,7 +283,7 @@ def write_report(results: dict, out: Path) -> None:
     lines = [
         "# Memory vs step time: ckpt-planner against the checkpointing users pick today",
         "",
-        f"Measured {meta['date']} by `benchmarks/tradeoff.py --scale {meta['scale']} --device {meta['device']}` "
+        f"Measured {meta['date']} by `python -m benchmarks.tradeoff --scale {meta['scale']} --device {meta['device']}` "
         f"(torch {meta['torch']}, transformers {meta['transformers']}, {meta['cpu_count']} CPUs, "
         f"{meta['torch_threads']} torch threads), {meta['total_s'] / 60:.1f} min in all. Raw numbers: `tradeoff.json`.",
         "",

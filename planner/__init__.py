@@ -38,8 +38,8 @@ _EXPORTS = {
     "ProfileError": "errors",
     "PlanFileError": "errors",
     "PlanMismatchError": "errors",
-    "InfeasibleBudgetError": "errors",
-    "UnknownSolverError": "errors",
+    "InfeasibleBudgetError": "solvers.registry",
+    "UnknownSolverError": "solvers.registry",
 }
 
 __all__ = [
@@ -86,18 +86,17 @@ if TYPE_CHECKING:
     from .capture.trace import Capture
     from .errors import (
         CaptureError,
-        InfeasibleBudgetError,
         InputError,
         PlanFileError,
         PlanMismatchError,
         PlannerError,
         ProfileError,
         ShapeError,
-        UnknownSolverError,
         UnplannableError,
     )
     from .plan import Plan
     from .profile.graph import CostGraph
     from .profile.profiler import ProfileConfig
     from .settings import Budget, PlanRequest, Setup
+    from .solvers.registry import InfeasibleBudgetError, UnknownSolverError
     from .verification import Report, verify

@@ -1,5 +1,5 @@
 import sys
 
-from .cli.cli import main
+from .cli.commands import main
 
 sys.exit(main())

@@ -32,23 +32,16 @@ from typing import Any
 import torch
 
 from .errors import InputError, PlanMismatchError, PlannerError
-from .solvers import Problem
+from .settings import DistributedConfig
+from .solvers.problem import Problem
 
-__all__ = ["SHARDINGS", "check_sharding", "shard_problem", "planning_is_collective", "plan_collectively"]
+__all__ = ["check_sharding", "shard_problem", "planning_is_collective", "plan_collectively"]
 
 _INSIDE = contextvars.ContextVar("ckpt_planner_collective", default=False)
 
-SHARDINGS = ("ddp", "fsdp")
-
-
 def check_sharding(world_size: int, sharding: str | None) -> None:
-    """Validate optimize()'s world_size / sharding arguments."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InputError(f"world_size: {world_size!r} must be a positive integer")
-    if sharding is not None and sharding not in SHARDINGS:
-        raise InputError(f"sharding: {sharding!r} is not one of {', '.join(SHARDINGS)}")
-    if world_size > 1 and sharding is None:
-        raise InputError(f"sharding: give 'ddp' or 'fsdp' with world_size={world_size}")
+    """Validate optimize()'s world_size / sharding arguments (settings.DistributedConfig's rules)."""
+    DistributedConfig(world_size=world_size, sharding=sharding)
 
 
 def _unique_bytes(tensors) -> int:
@@ -151,3 +144,24 @@ def plan_collectively(
     if bad:
         raise PlanMismatchError(f"the plan rank 0 made does not fit every rank's model: {'; '.join(bad)}")
     return plan
+
+
+def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:
+    """Bytes of optimizer state for the model's trainable parameters.
+
+    optimizer: None/'none', 'sgd' (no momentum), 'sgd-momentum', 'adam', 'adamw',
+    or a torch.optim.Optimizer instance (Adam-like state is assumed for unknown classes).
+    """
+    if optimizer is None:
+        return 0
+    per_param = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in per_param:
+            raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(per_param)}")
+        states = per_param[key]
+    elif isinstance(optimizer, torch.optim.SGD):
+        states = 1 if optimizer.defaults.get("momentum", 0) else 0
+    else:
+        states = 2
+    return states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

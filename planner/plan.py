@@ -414,9 +414,8 @@ class Plan:
         from .distributed import shard_problem
         from .model_state import ModelState
         from .profile.profiler import ProfileConfig, profile
-        from .solvers import simulate
         from .solvers.problem import ProblemError
-        from .solvers.simulate import normalize_regions
+        from .solvers.simulate import normalize_regions, simulate
 
         with ModelState(model).preserved():
             cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True))
@@ -448,7 +447,7 @@ class Plan:
 
     # -- in place ------------------------------------------------------------
     def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False) -> Any:
-        """Checkpoint whole submodules of `model` in place; returns a planner.apply.Application.
+        """Checkpoint whole submodules of `model` in place; returns a lower.apply.Application.
 
         Same module object, same `state_dict` keys, hooks and optimizer untouched.
         Where regions do not follow module boundaries, the nearest module-level

@@ -181,10 +181,27 @@ class Setup:
     compile: CompileConfig = CompileConfig()
     """The plan lowered into torch.compile."""
 
+    def __post_init__(self) -> None:
+        if not self.exactness.exact and (self.compile.enabled or self.distributed.world_size != 1):
+            raise InputError("exact: exact=False (chunked token-wise work) is planned eagerly on one rank; "
+                             "drop compile=True / world_size or keep exact=True")
+
     @property
     def meta(self) -> bool:
         """Planning on fake tensors (device='meta')."""
         return self.device is not None and str(self.device).split(":")[0] == "meta"
+
+    @classmethod
+    def of(cls, *, device: Any = None, optimizer: Any = None, capture_method: str = "auto", profile_config: Any = None,
+           partial: bool = True, exact: bool = True, check_step: bool = True, world_size: int = 1,
+           sharding: str | None = None, compile: bool = False, lowering: str = "best") -> Setup:
+        """From the keywords `optimize()` and `Planner()` take."""
+        return cls(
+            device=device, optimizer=optimizer, capture_method=capture_method, profile=profile_config, partial=partial,
+            exactness=ExactnessConfig(exact=exact, check_step=check_step),
+            distributed=DistributedConfig(world_size=world_size, sharding=sharding),
+            compile=CompileConfig(enabled=compile, lowering=lowering),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,3 +237,9 @@ class PlanRequest:
 
     def replace(self, **changes: Any) -> PlanRequest:
         return dataclasses.replace(self, **changes)
+
+    def keywords(self) -> dict[str, Any]:
+        """As the keywords of `Planner.plan()` (the inverse of `of`)."""
+        return dict(**self.budget.keywords(), solver=self.solve.solver, solver_options=dict(self.solve.options),
+                    own_checkpointing=self.solve.own_checkpointing, on_larger_shape=self.on_larger_shape,
+                    autotune=self.autotune)

@@ -4,7 +4,10 @@
     solution = solve(problem, budget_bytes=2**30, solver="uniform")
 """
 
-from . import auto, basic, bruteforce, dp, greedy, ilp, selective, structured  # noqa: F401  (register the solvers)
+# Importing a solver's module registers it (`registry.register`).
+from . import auto  # noqa: F401
+from .exact import bruteforce, dp, ilp  # noqa: F401
+from .heuristics import basic, greedy, selective, structured  # noqa: F401
 from .problem import Node, Problem, ProblemError, Solution, Storage
 from .registry import SOLVERS, InfeasibleBudgetError, UnknownSolverError, get_solver, register, solve
 from .simulate import SimResult, simulate

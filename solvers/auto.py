@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from .ilp import ILPSolveError
+from .exact.milp_backend import ILPSolveError
 from .problem import Problem
 from .registry import SolverResult, get_solver, register
 from .simulate import simulate

@@ -13,8 +13,8 @@ import logging
 import time
 from typing import Any
 
-from .dp import DPConfig, DPPlanner
-from .greedy import GreedyPlanner
+from .exact.dp import DPConfig, DPSearch
+from .heuristics.greedy import GreedySearch
 from .problem import Problem, Solution
 from .registry import SolverResult, get_solver
 from .simulate import normalize_regions, simulate
@@ -24,13 +24,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["sweep", "knee"]
 
 
-def _planners(problem: Problem, solver: str, options: dict[str, Any]):
+def _searches(problem: Problem, solver: str, options: dict[str, Any]):
     """Budget -> SolverResult callables for the solvers to run."""
     if solver == "dp":
-        planner = DPPlanner(problem, DPConfig(**options))
-        return {"dp": planner.plan}
+        search = DPSearch(problem, DPConfig(**options))
+        return {"dp": search.solve}
     if solver == "greedy":
-        return {"greedy": GreedyPlanner(problem, **options).plan}
+        return {"greedy": GreedySearch(problem, **options).solve}
     if solver == "auto":
         from .auto import auto_portfolio
 
@@ -39,9 +39,9 @@ def _planners(problem: Problem, solver: str, options: dict[str, Any]):
         out = {}
         for name in names:
             if name == "dp":
-                out[name] = DPPlanner(problem).plan
+                out[name] = DPSearch(problem).solve
             elif name == "greedy":
-                out[name] = GreedyPlanner(problem).plan
+                out[name] = GreedySearch(problem).solve
             else:
                 out[name] = _bound(problem, name, {"time_limit": time_limit} if name == "ilp" else {})
         return out
@@ -56,7 +56,7 @@ def _bound(problem: Problem, name: str, options: dict[str, Any]):
 def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> list[Solution | None]:
     """One Solution per budget (same order), None where the solver fits nothing within it."""
     budgets = [int(b) for b in budgets]
-    planners = _planners(problem, solver, dict(options))
+    searches = _searches(problem, solver, dict(options))
     sims: dict[tuple, Any] = {}
 
     def sim(regions, saved=()):
@@ -71,8 +71,8 @@ def sweep(problem: Problem, budgets, solver: str = "auto", **options: Any) -> li
         budget = budgets[idx]
         t0 = time.perf_counter()
         best = None
-        for name, plan in planners.items():
-            result: SolverResult = plan(budget)
+        for name, solve_at in searches.items():
+            result: SolverResult = solve_at(budget)
             regions = normalize_regions(problem, result.regions)
             s = sim(regions, result.saved)
             if s.peak_bytes <= budget and (best is None or (s.recompute_time, s.peak_bytes) < best[0]):

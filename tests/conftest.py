@@ -40,7 +40,7 @@ def timing_store_of_the_session(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="session")
 def autotune_off_by_default():
-    """Autotune (planner/profile/autotune.py) times a plan's candidates for up to 30 steps wherever node
+    """Autotune (planner/choose/autotune.py) times a plan's candidates for up to 30 steps wherever node
     times are measured; tests that profile on the clock would pay that and plan by the machine's load.
     Its default is off here; its own tests pass autotune=True."""
     with pytest.MonkeyPatch.context() as patch:

@@ -1,25 +1,124 @@
-"""The package's layout: imports point one way, by layer, with no cycle; every folder has a README that
-lists its files; no folder holds more than about 12 modules."""
+"""The package's layout: imports point one way, by layer, with no cycle; `solvers/` imports neither torch nor
+the planner; every import names the module that defines the name (no import through an alias or a package's
+re-exports); every folder has a README that lists its files; no folder holds more than 12 modules; no module
+is named after its folder."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import networkx as nx
 import pytest
 
-PLANNER = pathlib.Path(__file__).resolve().parents[1] / "planner"
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+PLANNER = ROOT / "planner"
+SOLVERS = ROOT / "solvers"
+PACKAGE = "ckpt_planner"
+SOLVERS_PACKAGE = "ckpt_planner.solvers"
+TREES = {PACKAGE: PLANNER, SOLVERS_PACKAGE: SOLVERS}
+"""Each import package and the folder it installs from (pyproject.toml's package-dir)."""
+MAX_MODULES = 12
 
 FOUNDATION = {"errors", "model_state", "progress", "settings"}
 LAYERS = {"capture": 1, "lower": 2, "profile": 3, "": 4, "choose": 5, "compile": 6, "api": 7, "cli": 8, "integrations": 8}
 """Layer of each folder ('' = the plan layer: the other modules at the top of planner/)."""
+SOLVER_LAYERS = {"problem": 0, "simulate": 0, "costs": 0, "registry": 0, "heuristics": 1, "exact": 2, "auto": 3, "sweep": 3}
+"""Layer of each module or folder of solvers/: the data model and the simulator, the heuristics, the exact
+solvers (which start from heuristic plans), what runs several solvers; the package's __init__ above all."""
 
 
-def _name(path: pathlib.Path) -> str:
-    rel = path.relative_to(PLANNER).with_suffix("")
-    parts = [p for p in rel.parts if p != "__init__"]
-    return ".".join(parts)
+# ---------------------------------------------------------------------------
+# Modules and the imports between them.
+
+
+@functools.cache
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of both trees by full dotted name (`ckpt_planner.capture.trace`) -> its file."""
+    out = {}
+    for package, folder in TREES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _module_of(path: pathlib.Path) -> str:
+    return next(name for name, p in _modules().items() if p == path)
+
+
+def _package_of(path: pathlib.Path) -> str:
+    """The package a relative import in `path` starts from."""
+    name = _module_of(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _is_package(module: str) -> bool:
+    path = _modules().get(module)
+    return path is not None and path.name == "__init__.py"
+
+
+def _is_ours(module: str | None) -> bool:
+    return module is not None and (module == PACKAGE or module.startswith(PACKAGE + "."))
+
+
+def _target(path: pathlib.Path, node: ast.ImportFrom) -> str | None:
+    """The module `from X import ...` names, by full dotted name; None for a module not of this project.
+    A relative import that climbs above the top package resolves to '<above ckpt_planner>'."""
+    if not node.level:
+        return node.module if _is_ours(node.module) else None
+    base = _package_of(path).split(".")
+    if node.level - 1 >= len(base):
+        return "<above ckpt_planner>"
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *(node.module.split(".") if node.module else [])])
+
+
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _imported(path: pathlib.Path) -> list[tuple[ast.AST, str]]:
+    """(import node, module) for each module of ours that `path` imports, anywhere in it (function bodies
+    included): `from X import sub` counts as an import of X.sub when that is a module, else of X."""
+    out = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out += [(node, a.name) for a in node.names if _is_ours(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            target = _target(path, node)
+            if target is None:
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in _modules()]
+            out += [(node, m) for m in subs]
+            if len(subs) < len(node.names):
+                out.append((node, target))
+    return out
+
+
+def _graph(modules) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for name in modules:
+        g.add_node(name)
+        for _, target in _imported(_modules()[name]):
+            if target in modules and target != name:
+                g.add_edge(name, target)
+    return g
+
+
+def _planner_modules() -> list[str]:
+    return [m for m in _modules() if not (m == SOLVERS_PACKAGE or m.startswith(SOLVERS_PACKAGE + "."))]
+
+
+def _solver_modules() -> list[str]:
+    return [m for m in _modules() if m not in _planner_modules()]
+
+
+def _short(module: str) -> str:
+    """A planner module's name inside planner/ ('' for the package itself): `capture.trace`."""
+    return module[len(PACKAGE) + 1 :] if module != PACKAGE else ""
 
 
 def _layer(module: str) -> int:
@@ -33,75 +132,243 @@ def _layer(module: str) -> int:
     return LAYERS.get(head, LAYERS[""])
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """planner modules that `path` imports (anywhere in it, function bodies included), by dotted name."""
-    name = _name(path)
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom) or not node.level:
-            continue
-        base = package[: len(package) - (node.level - 1)]
-        target = [*base, *(node.module.split(".") if node.module else [])]
-        if target and target[0] == "solvers":
-            continue
-        candidates = [".".join(target + [a.name]) for a in node.names] if not node.module or _is_package(target) else []
-        found = [c for c in candidates if _exists(c)]
-        out.update(found or ([".".join(target)] if _exists(".".join(target)) else []))
-    out.discard(name)
-    return out
-
-
-def _is_package(parts: list[str]) -> bool:
-    return (PLANNER.joinpath(*parts) / "__init__.py").exists() if parts else True
-
-
-def _exists(dotted: str) -> bool:
-    parts = dotted.split(".") if dotted else []
-    return (PLANNER.joinpath(*parts).with_suffix(".py")).exists() if parts else False
-
-
-def _graph() -> nx.DiGraph:
-    g = nx.DiGraph()
-    for path in PLANNER.rglob("*.py"):
-        g.add_node(_name(path))
-        for target in _imports(path):
-            g.add_edge(_name(path), target)
-    return g
-
-
 def test_no_import_cycles():
-    cycles = list(nx.simple_cycles(_graph()))
+    cycles = list(nx.simple_cycles(_graph(_planner_modules())))
     assert not cycles, f"import cycles: {cycles[:5]}"
 
 
 def test_no_upward_imports():
-    upward = [(a, b) for a, b in _graph().edges if _layer(b) > _layer(a)]
+    g = _graph(_planner_modules())
+    upward = [(_short(a), _short(b)) for a, b in g.edges if _layer(_short(b)) > _layer(_short(a))]
     assert not upward, f"imports from a higher layer: {upward}"
 
 
 def test_the_checker_sees_imports_in_function_bodies():
     # profile/timing.py imports lower/rewrite.py, and api.py imports compile/compiled.py inside a function
-    g = _graph()
-    assert g.has_edge("profile.timing", "lower.rewrite")
-    assert g.has_edge("api", "compile.compiled")
+    g = _graph(_planner_modules())
+    assert g.has_edge("ckpt_planner.profile.timing", "ckpt_planner.lower.rewrite")
+    assert g.has_edge("ckpt_planner.api", "ckpt_planner.compile.compiled")
     assert _layer("compile.compiled") > _layer("plan") and _layer("api") > _layer("compile.compiled")
 
 
-@pytest.mark.parametrize("folder", sorted(p for p in PLANNER.iterdir() if p.is_dir() and (p / "__init__.py").exists()))
+# ---------------------------------------------------------------------------
+# solvers/: plain data, no torch, nothing from the planner.
+
+
+def test_solvers_import_no_torch_and_nothing_of_the_planner():
+    bad = []
+    for name in _solver_modules():
+        path = _modules()[name]
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [_target(path, node) if node.level else node.module]
+            else:
+                continue
+            for mod in mods:
+                torch = mod is not None and (mod == "torch" or mod.startswith("torch."))
+                planner = _is_ours(mod) and not (mod == SOLVERS_PACKAGE or mod.startswith(SOLVERS_PACKAGE + "."))
+                if torch or planner or mod == "<above ckpt_planner>":
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "solvers/ must stay torch-free and import only itself:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_in_solvers():
+    cycles = list(nx.simple_cycles(_graph(_solver_modules())))
+    assert not cycles, f"import cycles in solvers/: {cycles[:5]}"
+
+
+def _solver_layer(module: str) -> int:
+    rel = module[len(SOLVERS_PACKAGE) + 1 :]
+    return SOLVER_LAYERS[rel.split(".")[0]] if rel else max(SOLVER_LAYERS.values()) + 1
+
+
+def test_no_upward_imports_in_solvers():
+    g = _graph(_solver_modules())
+    upward = [(a, b) for a, b in g.edges if _solver_layer(b) > _solver_layer(a)]
+    assert not upward, f"imports from a higher layer of solvers/: {upward}"
+    assert g.has_edge(f"{SOLVERS_PACKAGE}.exact.ilp", f"{SOLVERS_PACKAGE}.heuristics.greedy")
+
+
+# ---------------------------------------------------------------------------
+# Every import names the module that defines the name.
+
+
+def _module_level(body):
+    """The statements run at a module's top level: those of if/try/with/for/while blocks included, not
+    those of functions and classes."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith)):
+            for field in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(stmt, field, []))
+            for handler in getattr(stmt, "handlers", []):
+                yield from _module_level(handler.body)
+
+
+def _targets(node: ast.AST):
+    if isinstance(node, ast.Name):
+        yield node.id
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        for elt in node.elts:
+            yield from _targets(elt)
+    elif isinstance(node, ast.Starred):
+        yield from _targets(node.value)
+
+
+@functools.cache
+def _defined(module: str) -> frozenset[str]:
+    """Names a module defines itself at its top level: def, class, assignment. A name it imports (from
+    anywhere, under any name) is not among them: importing it from this module would go through an alias."""
+    names = set()
+    for stmt in _module_level(_tree(_modules()[module]).body):
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, ast.Assign):
+            names.update(n for t in stmt.targets for n in _targets(t))
+        elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) or (isinstance(stmt, (ast.For, ast.AsyncFor))):
+            names.update(_targets(stmt.target))
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            names.update(n for item in stmt.items if item.optional_vars for n in _targets(item.optional_vars))
+    return frozenset(names)
+
+
+@functools.cache
+def _imported_names(module: str) -> dict[str, str]:
+    """Names a module binds at its top level by importing them -> where from (for the messages)."""
+    path, out = _modules()[module], {}
+    for stmt in _module_level(_tree(path).body):
+        if isinstance(stmt, ast.ImportFrom):
+            origin = (_target(path, stmt) if stmt.level else stmt.module) or "?"
+            out.update({a.asname or a.name: f"{origin}.{a.name}" for a in stmt.names})
+        elif isinstance(stmt, ast.Import):
+            out.update({a.asname or a.name.partition(".")[0]: a.name for a in stmt.names})
+    return out
+
+
+def _alias_problem(module: str, name: str) -> str | None:
+    """Why `from module import name` goes through an alias, or None when `name` is a submodule of `module`
+    or is defined in `module`'s own file."""
+    if module not in _modules():
+        return f"{module} is no module of the project"
+    if name == "*":
+        return "a star import"
+    sub = f"{module}.{name}"
+    rebound = name in _defined(module) or (name in _imported_names(module) and _imported_names(module)[name] != sub)
+    if sub in _modules():
+        return f"{module} rebinds {name!r}, which is also its submodule {sub}" if rebound else None
+    if name in _defined(module):
+        return None
+    if name in _imported_names(module):
+        return f"{module} only imports it (from {_imported_names(module)[name]})"
+    return f"{module} does not define it"
+
+
+def _module_aliases(path: pathlib.Path, body) -> dict[str, str]:
+    """Names that the statements `body` bind to a module of ours (`from .. import solvers`,
+    `import ckpt_planner.x as y`), nested functions left out."""
+    out = {}
+    for node in _scope(body):
+        if isinstance(node, ast.ImportFrom) and (target := _target(path, node)) is not None:
+            out.update({a.asname or a.name: f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in _modules()})
+        elif isinstance(node, ast.Import):
+            out.update({a.asname: a.name for a in node.names if a.asname and a.name in _modules()})
+    return out
+
+
+def _scope(body):
+    """The nodes of one function's (or the module's) own scope: nested functions are scopes of their own."""
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            stack += ast.iter_child_nodes(node)
+
+
+def _attribute_violations(path: pathlib.Path, body, aliases: dict[str, str]) -> list[str]:
+    """`X.name` on an imported module X where `name` is neither its submodule nor defined in its file:
+    `solvers.solve(...)` goes through solvers/__init__.py's re-exports. Each function sees its own imports."""
+    aliases = {**aliases, **_module_aliases(path, body)}
+    bad = []
+    for node in _scope(body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            bad += _attribute_violations(path, node.body, aliases)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and not node.attr.startswith("__")):
+            why = _alias_problem(aliases[node.value.id], node.attr)
+            if why:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: `{ast.unparse(node)}`: {node.attr}: {why}")
+    return bad
+
+
+def _alias_violations() -> list[str]:
+    bad = []
+    for path in _modules().values():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and (target := _target(path, node)) is not None:
+                for a in node.names:
+                    why = _alias_problem(target, a.name)
+                    if why:
+                        bad.append(f"{where}:{node.lineno}: `{ast.unparse(node)}`: {a.name}: {why}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{where}:{node.lineno}: `{ast.unparse(node)}`: no such module" for a in node.names
+                        if _is_ours(a.name) and a.name not in _modules()]
+        bad += _attribute_violations(path, _tree(path).body, {})
+    return sorted(set(bad))
+
+
+def test_imports_name_the_module_that_defines_the_name():
+    """`from X import name` names a module that exists, and `name` is a submodule of X or defined in X's own
+    file; the same for `X.name` on an imported module X. Importing through a module that only imports the
+    name (a package __init__'s re-exports, planner/__init__.py's lazy names) is an alias: those are for users."""
+    bad = _alias_violations()
+    assert not bad, f"{len(bad)} imports through an alias:\n" + "\n".join(bad)
+
+
+def test_the_alias_check_sees_re_exports():
+    # solvers/__init__.py re-exports `solve` from registry.py; errors.py imports InfeasibleBudgetError
+    assert _alias_problem(SOLVERS_PACKAGE, "solve")
+    assert _alias_problem(f"{SOLVERS_PACKAGE}.registry", "solve") is None
+    assert _alias_problem(f"{PACKAGE}.errors", "InfeasibleBudgetError")
+    assert _alias_problem(PACKAGE, "Plan")  # planner/__init__.py's lazy names
+    assert _alias_problem(f"{SOLVERS_PACKAGE}.simulate", "simulate") is None
+    assert _alias_problem(SOLVERS_PACKAGE, "simulate")  # the function, rebound over the submodule
+    assert _alias_problem(f"{PACKAGE}.nowhere", "x")
+
+
+# ---------------------------------------------------------------------------
+# Folders: a README listing the files, at most 12 modules, no module named after its folder.
+
+
+def _folders() -> list[pathlib.Path]:
+    return sorted(p.parent for folder in TREES.values() for p in folder.rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("folder", _folders(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_each_folder_has_a_readme_listing_its_files(folder):
     readme = (folder / "README.md").read_text()
-    modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
-    assert len(modules) <= 13, f"{folder.name}: {len(modules)} modules"
+    modules = [p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert len(modules) <= MAX_MODULES, f"{folder.relative_to(ROOT)}: {len(modules)} modules"
     missing = [m for m in modules if f"`{m}`" not in readme]
-    assert not missing, f"{folder.name}/README.md does not list {missing}"
+    assert not missing, f"{folder.relative_to(ROOT)}/README.md does not list {missing}"
+    subfolders = [p.name for p in folder.iterdir() if (p / "__init__.py").exists()]
+    assert not [s for s in subfolders if f"{s}/" not in readme], f"{folder.relative_to(ROOT)}/README.md"
 
 
-def test_the_top_readme_lists_its_files():
-    readme = (PLANNER / "README.md").read_text()
-    modules = [p.name for p in PLANNER.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-    assert len(modules) <= 13
-    assert not [m for m in modules if f"`{m}`" not in readme]
+def test_no_module_is_named_after_its_folder():
+    same = [str(p.relative_to(ROOT)) for p in _modules().values() if p.stem in (p.parent.name, _module_of(p.parent / "__init__.py").rpartition(".")[2])]
+    assert not same, f"modules named after their folder (say what the file holds): {same}"
+
+
+def test_pyproject_lists_every_package():
+    import tomllib
+
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    ours = {m for m in _modules() if _is_package(m)}
+    assert ours <= packages, f"not in pyproject.toml's [tool.setuptools] packages: {sorted(ours - packages)}"
 
 
 def test_a_plan_saved_before_the_stage_folders_loads_and_rebuilds():
@@ -112,7 +379,7 @@ def test_a_plan_saved_before_the_stage_folders_loads_and_rebuilds():
     from ckpt_planner.choose.safety_net import step_differences
     from ckpt_planner.cli.examples import gpt_example
 
-    plan = Plan.load(pathlib.Path(__file__).parent / "fixtures" / "gpt_plan_flat_layout.json")
+    plan = Plan.load(ROOT / "tests" / "fixtures" / "gpt_plan_flat_layout.json")
     model, x = gpt_example(batch=4, seq=32, layers=2, d=32)
     module = plan.rebuild(model, x)  # re-profiles and re-simulates: PlanMismatchError on any difference
     args = x if isinstance(x, tuple) else (x,)

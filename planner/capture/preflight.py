@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import InputError, NothingToPlanError
+from ..errors import InputError, NothingToPlanError, UnplannableError
 
-__all__ = ["describe", "check_exported_inputs", "explain_failure", "nothing_to_plan"]
+__all__ = ["describe", "check_exported_inputs", "explain_failure", "nothing_to_plan", "refuse_grad_mode"]
 
 
 def describe(value: Any) -> str:
@@ -163,3 +163,17 @@ def nothing_to_plan(model: torch.nn.Module, graph_module: Any, saved_bytes: int)
     else:
         why = "autograd saves no activations for backward in one training step"
     return NothingToPlanError(f"model: nothing to plan: {why}; checkpointing frees saved activations only")
+
+
+def refuse_grad_mode() -> None:
+    """Planning profiles one training step: under no_grad/inference_mode nothing is saved for backward."""
+    if torch.is_inference_mode_enabled():
+        raise UnplannableError(
+            "optimize: called inside torch.inference_mode(), where nothing is saved for backward, so there is "
+            "no training step to plan; call it outside that context"
+        )
+    if not torch.is_grad_enabled():
+        raise UnplannableError(
+            "optimize: called under torch.no_grad(), where nothing is saved for backward, so there is no "
+            "training step to plan; call it outside that context (or inside torch.enable_grad())"
+        )

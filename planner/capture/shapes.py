@@ -17,6 +17,7 @@ is planned again the same way, whatever the setting.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -30,10 +31,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError, ShapeError
+from ..settings import ON_LARGER_SHAPE
 
-__all__ = ["ShapeError", "ShapeGuard", "InputShapes", "input_shapes", "dynamic_shapes_for", "export_dynamic", "ON_LARGER_SHAPE"]
+__all__ = ["ShapeError", "ShapeGuard", "InputShapes", "input_shapes", "dynamic_shapes_for", "export_dynamic", "ON_LARGER_SHAPE", "guard_model"]
 
-ON_LARGER_SHAPE = ("error", "replan")
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class ShapeGuard:
         self._replan = replan
         self.dynamic_dims = dynamic_dims
         self.signature = signature
-        """Set for a captured submodule (partial.py): calls are passed by keyword, as it was captured."""
+        """Set for a captured submodule (choose/partial.py): calls are passed by keyword, as it was captured."""
         """False: the graph takes only the planned shape; any other is planned again."""
         self.replanned: dict[InputShapes, torch.nn.Module] = {}
         """Checkpointed modules planned for other shapes, by shape."""
@@ -195,3 +196,26 @@ class ShapeGuard:
             module = self._replan(args, kwargs)
         self.replanned[shapes] = module
         return module
+
+
+def guard_model(
+    module: torch.nn.Module,
+    planned,
+    on_larger_shape: str,
+    replan: Callable[[tuple, dict[str, Any]], torch.nn.Module] | None,
+) -> None:
+    """Check a partial plan's training calls at the model's own inputs: a larger one raises ShapeError,
+    or with on_larger_shape='replan' runs the model planned again at its shape (cached per shape)."""
+    guard = ShapeGuard(planned, on_larger_shape, replan)
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if module.training and input_shapes(args, kwargs).larger_than(planned):
+            other = guard.module_for(args, kwargs)
+            if other is not None:
+                return other(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+    module.forward = guarded
+    object.__setattr__(module, "shape_guard", guard)

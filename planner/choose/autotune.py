@@ -33,21 +33,29 @@ from typing import Any
 
 import torch
 
-from .. import solvers
 from ..errors import InputError
+from ..lower.apply import checkpointed_copy, whole_module_spans
+from ..lower.rewrite import rewrite
+from ..model_state import ModelState
 from ..profile.loss import default_loss
 from ..profile.memory import measure_step_peaks
 from ..profile.timing_store import TimingStore
-from ..solvers import Problem, Solution, simulate
-from ..solvers.problem import ProblemError
-from ..solvers.simulate import normalize_regions, normalize_saved
-from ..solvers.structured import structured_plans
+from ..settings import PlanRequest
+from ..solvers.heuristics.structured import structured_plans
+from ..solvers.problem import Problem, ProblemError, Solution
+from ..solvers.registry import InfeasibleBudgetError, solve
+from ..solvers.simulate import normalize_regions, normalize_saved, simulate
+from .budget import inner_budget
 from .cost_refit import remember
+from .plan_store import plan_key
+from .profiled import Profiled, whole_modules_allowed
+from .safety_net import step_differences
+from .solve import finish
 
 __all__ = [
     "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
-    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES",
+    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned",
 ]
 
 AUTOTUNE_STEPS = 30
@@ -370,8 +378,8 @@ def autotune_solution(
         if name in (solution.solver, solution.stats.get("chosen")):
             continue
         try:
-            found = solvers.solve(problem, inner, name)
-        except (solvers.InfeasibleBudgetError, ProblemError, RuntimeError):
+            found = solve(problem, inner, name)
+        except (InfeasibleBudgetError, ProblemError, RuntimeError):
             continue
         runners.append((name, found.regions, found.saved))
     cands = candidates(problem, chosen, budget, inner, runners, finish=finish, modules=modules)
@@ -406,3 +414,29 @@ def autotune_solution(
         if learn and record.get("band", MAX_BAND) < MAX_BAND:  # rounds too noisy to tell plans apart teach nothing
             remember(store, problem, record)
     return result, notes
+
+
+def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest,
+              steps: int) -> tuple[Solution, list[str]]:
+    """The measured choice among the plans of `p` that fit `budget` (bytes), kept in the timing store."""
+    gm, model, cap = p.capture.graph_module, p.model, p.capture
+    cfg = request.solve
+    inner = inner_budget(budget, p.problem.fixed_bytes, request.budget.safety_margin)
+
+    def build(regions, saved, paths) -> torch.nn.Module:
+        return checkpointed_copy(model, paths) if paths else rewrite(gm, regions, model=model, saved=saved)
+
+    def differs(regions, saved, paths) -> bool | None:
+        if not p.check:
+            return False
+        found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs)
+        return None if found is None else bool(found)
+
+    measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build)
+    modules = whole_modules_allowed(p) and (lambda r: whole_module_spans(p.problem, model, r))
+    with ModelState(model).preserved():
+        return autotune_solution(
+            p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=p.store(),
+            key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
+            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted", modules=modules,
+        )

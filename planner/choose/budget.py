@@ -22,13 +22,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+from ..capture.preflight import nothing_to_plan
+from ..settings import PlanRequest
+from ..solvers.problem import Problem
+from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
+from ..solvers.simulate import simulate
+from .profiled import Profiled
+from .regions import finish_regions
 
-from ..errors import InputError
-from ..solvers import Problem, simulate
-from ..solvers.registry import get_solver
-
-__all__ = ["optimizer_state_bytes", "budget_arg", "inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail"]
+__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail", "floor_of", "refuse",
+           "check_feasible"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -114,48 +117,48 @@ def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str
     return text
 
 
-def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """Bytes of optimizer state for the model's trainable parameters.
+def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, Regions]:
+    """The floor plan of `p` for this solver (cached until the safety net narrows the problem)."""
+    key = (solver, keep, repr(sorted(options.items())))
+    if key not in p.floors:
+        # The model's own regions are a plan too: replacing them never needs more memory than keeping them.
+        extra = [p.own_regions] if p.own_regions else []
+        graph = p.capture.graph_module
 
-    optimizer: None/'none', 'sgd' (no momentum), 'sgd-momentum', 'adam', 'adamw',
-    or a torch.optim.Optimizer instance (Adam-like state is assumed for unknown classes).
-    """
-    if optimizer is None:
-        return 0
-    per_param = {"none": 0, "sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-    if isinstance(optimizer, str):
-        key = optimizer.lower()
-        if key not in per_param:
-            raise InputError(f"optimizer: {optimizer!r} is not one of {', '.join(per_param)}")
-        states = per_param[key]
-    elif isinstance(optimizer, torch.optim.SGD):
-        states = 1 if optimizer.defaults.get("momentum", 0) else 0
-    else:
-        states = 2
-    return states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        def finish(regions):
+            return finish_regions(p.problem, graph, regions, p.own_regions if keep else ())
+
+        p.floors[key] = floor_plan(p.problem, solver, options, finish, extra)
+    return p.floors[key]
 
 
-def budget_arg(budget_gb: float | None, budget_bytes: int | None) -> int | None:
-    """The budget in bytes from `budget_gb` or `budget_bytes` (at most one), or None."""
-    if budget_gb is not None and budget_bytes is not None:
-        raise InputError("budget: give budget_gb or budget_bytes, not both")
-    if budget_gb is not None:
-        if budget_gb <= 0:
-            raise InputError(f"budget_gb: {budget_gb} must be positive")
-        return int(budget_gb * 1e9)
-    if budget_bytes is not None:
-        if budget_bytes <= 0:
-            raise InputError(f"budget_bytes: {budget_bytes} must be positive")
-        return int(budget_bytes)
-    return None
+def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
+    """InfeasibleBudgetError naming the smallest feasible budget when neither a plan nor the step as given fits."""
+    problem, cfg, margin = p.problem, request.solve, request.budget.safety_margin
+    keep = cfg.own_checkpointing == "keep" and bool(p.own_regions)
+    given = finish_regions(problem, p.capture.graph_module, p.own_regions)[0] if p.own_regions else ()
+    given_peak = simulate(problem, given).peak_bytes
+    plain_peak = p.no_checkpoint_peak_bytes
+    if plain_peak <= budget and not keep:
+        return
+    fixed = problem.fixed_bytes
+    floor_peak, _ = floor_of(p, cfg.solver, dict(cfg.options), keep)
+    as_is = given_peak if keep else min(plain_peak, given_peak)
+    if floor_peak > inner_budget(budget, fixed, margin) and as_is > budget:
+        smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
+        detail = ""
+        if smallest == as_is:
+            regions = given if given_peak <= plain_peak or keep else ()
+            detail = peak_detail(problem, regions, [n.name for n in p.cost.nodes])
+        raise InfeasibleBudgetError(budget, smallest, cfg.solver, fixed, detail=detail)
 
 
-def check_budget_args(budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
-    """The budget in bytes from budget_gb/budget_bytes; InputError on a bad combination or fraction."""
-    budget = budget_arg(budget_gb, budget_bytes)
-    if activation_budget is not None:
-        if budget is not None:
-            raise InputError("activation_budget: give it or a budget in bytes/GB, not both")
-        if not 0 < activation_budget <= 1:
-            raise InputError(f"activation_budget: {activation_budget} must be in (0, 1]")
-    return budget
+def check_feasible(p: Profiled, request: PlanRequest) -> None:
+    """Raise InfeasibleBudgetError when no plan can meet the request's budget. Bytes alone decide, so
+    this holds on the bytes pass's profile as on the timed one."""
+    if nothing_to_plan(p.model, p.capture.graph_module, p.cost.total_saved_bytes) is not None:
+        return  # planning says why
+    budget = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes)
+    if budget is None or request.solve.solver not in SOLVERS:
+        return
+    refuse(p, budget, request)

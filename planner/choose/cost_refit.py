@@ -1,6 +1,6 @@
 """The cost model learns from the clock: per-device refit of what the simulator gets wrong.
 
-Every autotune round (planner/profile/autotune.py) times a few plans against the plain graph, beside
+Every autotune round (planner/choose/autotune.py) times a few plans against the plain graph, beside
 what the simulator predicted for each. The prediction has two parts the profile measures on tiny
 tensors or one calibration plan, and that held-out shapes get wrong: the node times a recompute re-runs
 (with their saved-tensor hooks and policy dispatch) and the fixed cost of each region (the checkpoint
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..profile.timing_store import TimingStore
-from ..solvers import Problem
+from ..solvers.problem import Problem
 
 __all__ = ["KEY", "MAX_ROWS", "Fit", "rows_of", "fit", "remember", "learned"]
 

@@ -29,7 +29,6 @@ A call with a larger input is refused with `ShapeError`, or with
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..capture.mutation import compute_nodes
-from ..capture.shapes import ShapeGuard, input_shapes
+from ..capture.shapes import ShapeGuard, guard_model, input_shapes
 from ..capture.trace import Capture, capture, normalize_inputs
 from ..errors import CaptureError, ShapeError
 from ..lower.apply import with_replaced
@@ -48,8 +47,11 @@ from ..model_state import ModelState
 from ..plan import Plan, Region
 from ..profile.graph import CostGraph
 from ..profile.profiler import ProfileConfig, profile
-from ..solvers import Node, Problem, Storage, simulate
-from ..solvers.simulate import normalize_regions
+from ..settings import PlanRequest
+from ..solvers.problem import Node, Problem, Storage
+from ..solvers.simulate import normalize_regions, simulate
+from .base import BasePlanner
+from .solve import solve_partial
 
 __all__ = ["Piece", "PartialPlanner", "find_pieces"]
 
@@ -197,7 +199,7 @@ def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int) -> tup
     return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes), offsets
 
 
-class PartialPlanner:
+class PartialPlanner(BasePlanner):
     """Capture and profile the largest capturable submodules once; plan them for any budget."""
 
     def __init__(
@@ -209,7 +211,10 @@ class PartialPlanner:
         optimizer_bytes: int = 0,
         capture_method: str = "auto",
         profile_config: ProfileConfig | None = None,
+        replan: Callable[[tuple, dict[str, Any], PlanRequest], torch.nn.Module] | None = None,
     ) -> None:
+        self.replan = replan
+        """`replan(args, kwargs, request)` plans the whole model at a larger call's shape (on_larger_shape='replan')."""
         args, kwargs = normalize_inputs(example_inputs, model)
         self.model_shapes = input_shapes(args, kwargs)
         """The shapes of the call the model was planned for."""
@@ -236,7 +241,20 @@ class PartialPlanner:
     def baseline_peak_bytes(self) -> int:
         return simulate(self.problem, ()).peak_bytes
 
-    def plan(
+    def plan_for(self, request: PlanRequest) -> Plan:
+        budget = request.budget.in_bytes(self.problem.fixed_bytes, self.baseline_peak_bytes)
+        cfg = request.solve
+        solution, notes = solve_partial(self.problem, budget, cfg.solver, dict(cfg.options), request.budget.safety_margin)
+        replan = None
+        if self.replan is not None:
+            again = request.replace(on_larger_shape="error")
+
+            def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+                return self.replan(args, kwargs, again)
+
+        return self.build(solution, notes, on_larger_shape=request.on_larger_shape, replan=replan)
+
+    def build(
         self,
         solution,
         notes: list[str],
@@ -329,29 +347,6 @@ def _piece_rebuild(sub: torch.nn.Module, cap: Capture, regions: list[tuple[int, 
         return rewrite(again.graph_module, safe, model=sub)
 
     return rebuild
-
-
-def guard_model(
-    module: torch.nn.Module,
-    planned,
-    on_larger_shape: str,
-    replan: Callable[[tuple, dict[str, Any]], torch.nn.Module] | None,
-) -> None:
-    """Check a partial plan's training calls at the model's own inputs: a larger one raises ShapeError,
-    or with on_larger_shape='replan' runs the model planned again at its shape (cached per shape)."""
-    guard = ShapeGuard(planned, on_larger_shape, replan)
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if module.training and input_shapes(args, kwargs).larger_than(planned):
-            other = guard.module_for(args, kwargs)
-            if other is not None:
-                return other(*args, **kwargs)
-        return forward(*args, **kwargs)
-
-    module.forward = guarded
-    object.__setattr__(module, "shape_guard", guard)
 
 
 def _short(reason: str) -> str:

@@ -2,7 +2,7 @@
 later run returns, while it fits.
 
 Node times are measurements. With the timing store two runs read the same times, but a later run may
-heal one that load inflated in the first profile (planner.timing_store), and near-equal plans then
+heal one that load inflated in the first profile (profile/timing_store.py), and near-equal plans then
 swap places for a gain far inside what a measured step can tell apart (the trade-off benchmark's
 steps spread by about 9 % between repeats of one plan; the swaps it recorded gained 0.3-1.4 % of a
 step). A first run on a loaded machine may also time the model two or three times slower than the
@@ -19,11 +19,10 @@ import dataclasses
 from typing import Any
 
 from ..profile.timing_store import TimingStore, signature
-from ..solvers import Problem, Solution, simulate
-from ..solvers.problem import ProblemError
-from ..solvers.simulate import normalize_regions, normalize_saved
+from ..solvers.problem import Problem, ProblemError, Solution
+from ..solvers.simulate import normalize_regions, normalize_saved, simulate
 
-__all__ = ["KEEP_WITHIN", "plan_key", "steady"]
+__all__ = ["KEEP_WITHIN", "plan_key", "kept_plan"]
 
 KEEP_WITHIN = 0.02
 """A gain of this run's solve over the kept plan above this fraction of the step without
@@ -50,7 +49,7 @@ def _stored(problem: Problem, entry: Any) -> tuple[tuple[tuple[int, int], ...], 
     return regions, saved, str(entry.get("solver", ""))
 
 
-def steady(problem: Problem, solution: Solution, budget: int, key: str, store: TimingStore) -> tuple[Solution, list[str]]:
+def kept_plan(problem: Problem, solution: Solution, budget: int, key: str, store: TimingStore) -> tuple[Solution, list[str]]:
     """The plan stored under `key` where it is a plan of this graph that fits `budget`, else `solution`
     (then stored). Returns (plan, notes); the notes say when this run's solve is predicted clearly
     faster (by more than KEEP_WITHIN of a step) than the plan kept, and how to take it."""

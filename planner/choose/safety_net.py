@@ -10,16 +10,24 @@ regions that differ on their own, so that the planner can forbid them and solve 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import InexactPlanError
+from ..lower.rewrite import rewrite
 from ..model_state import ModelState
 from ..profile.loss import default_loss
+from ..settings import PlanRequest
+from ..solvers.problem import Solution
+from ..solvers.registry import InfeasibleBudgetError
+from .profiled import Profiled
+from .solve import solve_budget
 
-__all__ = ["step_differences", "inexact_parts"]
+__all__ = ["step_differences", "inexact_parts", "checked"]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None, bitwise: bool) -> bool:
@@ -100,3 +108,55 @@ def inexact_parts(
         return True, []
     bad = [r for r in regions if differs([r], ())]
     return False, bad
+
+
+def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | None,
+            request: PlanRequest) -> tuple[Solution, list[str]]:
+    """`solution` when its step equals the model's, else the plan solved again with what differed
+    forbidden (kept ops, else regions) in `p.problem`, and a note that says so."""
+    gm, model, cap = p.capture.graph_module, p.model, p.capture
+
+    def differs(regions, saved) -> bool | None:
+        found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,
+                                 bitwise=None if p.exact else False)
+        return None if found is None else bool(found)
+
+    names = p.names
+    if p.chunks and differs((), ()):
+        raise InexactPlanError("exact=False: the chunked step's gradients are not allclose to the model's; "
+                               "plan with exact=True or report the model")
+    for _ in range(3):
+        verdict = differs(solution.regions, solution.saved) if solution.regions else False
+        if verdict is None:
+            note = "not checked against the model's own step: that step raises as given (its backward fails)"
+            return solution, [*notes, note]
+        if not verdict:
+            return solution, notes
+        kept_only, bad = inexact_parts(solution.regions, solution.saved, differs)
+        nodes = list(p.problem.nodes)
+        if kept_only:
+            for i in solution.saved:
+                nodes[i] = dataclasses.replace(nodes[i], saveable=False)
+            what = f"its kept ops ({', '.join(names[i] for i in solution.saved[:6])})"
+        else:
+            spans = bad or list(solution.regions)
+            for s, e in spans:
+                for i in range(s, e + 1):
+                    nodes[i] = dataclasses.replace(nodes[i], recomputable=False)
+            what = "the regions " + ", ".join(f"{names[s]}..{names[e]}" for s, e in spans[:6])
+        notes = [*notes, (
+            f"the plan's training step differed from the model's with {what}: they are not recomputed "
+            "(or kept) by this plan, solved again"
+        )]
+        p.narrowed(dataclasses.replace(p.problem, nodes=tuple(nodes)))
+        try:
+            solution, more = solve_budget(p, budget, request)
+        except InfeasibleBudgetError as e:
+            raise InexactPlanError(f"{notes[-1]}; without them: {e}") from e
+        notes += more
+    if solution.regions and differs(solution.regions, solution.saved):
+        raise InexactPlanError(
+            f"no plan found whose training step equals the model's: {'; '.join(notes[-3:])}; "
+            "run the model without checkpointing or report the model"
+        )
+    return solution, notes

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
-from .outputs import OutputError, digests, foreign_files
+from ..errors import InputError, OutputError
+from .legacy import is_earlier_load_script, refresh_load_script
+from .outputs import digests, foreign_files
 
 __all__ = ["APPLIED_FORMAT", "Applied", "is_applied_folder", "write_applied", "load_applied"]
 
@@ -85,7 +86,7 @@ def check_output_folder(out: Path) -> None:
             "(its manifest.json has no ckpt-planner format key); choose another folder"
         )
     manifest = _read_manifest(out) if out.is_dir() else None
-    theirs = foreign_files(out, manifest, {"load.py": _LOAD_PY}) if manifest is not None else []
+    theirs = foreign_files(out, manifest, {"load.py": _LOAD_PY}, is_earlier_load_script) if manifest is not None else []
     if theirs:
         shown = ", ".join(repr(n) for n in theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
         raise OutputError(
@@ -250,6 +251,7 @@ def load_applied(path: str | os.PathLike, *, trust_pickle: bool = False, trust_c
     if manifest is None:
         raise InputError(f"apply folder {str(folder)!r}: manifest.json is not a ckpt-planner apply manifest")
     loaded = _load_model(folder, manifest, trust_pickle=trust_pickle, trust_code=trust_code)
+    refresh_load_script(folder, manifest, _LOAD_PY)  # an earlier release's load.py imports paths that are gone
     try:
         state = torch.load(_inside(folder, "state_dict.pt", "file"), map_location="cpu", weights_only=True)
         inputs = torch.load(_inside(folder, "inputs.pt", "file"), map_location="cpu", weights_only=True)
@@ -277,7 +279,7 @@ to run it; a pickled model needs --trust-pickle (trust_pickle=True).
 
 from pathlib import Path
 
-from ckpt_planner.cli.loading import load_applied
+from ckpt_planner.cli.loading import load_applied  # the one module this script imports: its names stay put
 
 HERE = Path(__file__).resolve().parent
 
@@ -290,8 +292,7 @@ def load(trust_pickle: bool = False, trust_code: bool = False):
 if __name__ == "__main__":
     import sys
 
-    from ckpt_planner.capture.trace import normalize_inputs
-    from ckpt_planner.verification import default_loss
+    from ckpt_planner.cli.loading import default_loss, normalize_inputs
 
     try:
         applied = load(trust_pickle="--trust-pickle" in sys.argv, trust_code="--trust-code" in sys.argv)

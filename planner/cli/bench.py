@@ -145,11 +145,12 @@ def bench(
     exactness and the measured memory timeline; a solver that cannot meet the
     budget gets an 'infeasible' row.
     """
-    from .. import solvers
     from ..capture.trace import flatten_for_graph, normalize_inputs
     from ..model_state import ModelState
     from ..plan import graph_fingerprint
-    from ..verification import default_loss, verify
+    from ..profile.loss import default_loss
+    from ..solvers.registry import InfeasibleBudgetError
+    from ..verification import verify
 
     model, cap = planner.model, planner.capture
     args, kwargs = normalize_inputs(example_inputs, model)
@@ -161,7 +162,7 @@ def bench(
         try:
             # each solver's own plan, not the measured choice among them (autotune)
             plan = planner.plan(solver="none") if name == "none" else planner.plan(solver=name, autotune=False, **budget)
-        except solvers.InfeasibleBudgetError as e:
+        except InfeasibleBudgetError as e:
             rows.append({"solver": name, "status": "infeasible", "error": str(e)})
             budget_bytes = e.budget_bytes
             if tick is not None:

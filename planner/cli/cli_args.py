@@ -68,7 +68,7 @@ _seed = _count(0, 2**64 - 1)
 
 
 def default_solver() -> str:
-    from ..solvers import SOLVERS
+    from ..solvers.registry import SOLVERS
 
     return "auto" if "auto" in SOLVERS else "uniform"
 
@@ -115,7 +115,7 @@ _EPILOGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..solvers import SOLVERS
+    from ..solvers.registry import SOLVERS
 
     parser = _Parser(
         prog="ckpt-planner",
@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(plan)
     plan.add_argument("--solver", default=default_solver(), help=f"one of {', '.join(sorted(SOLVERS))}")
     plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
-    plan.add_argument("--no-exact-check", dest="exact_check", action="store_false",
-                      help="skip the safety net: the plan's step is not compared with the model's before it is returned")
+    plan.add_argument("--no-check-step", "--no-exact-check", dest="check_step", action="store_false",
+                      help="skip the safety net: the plan's step is not compared with the model's before it is "
+                           "returned (--no-exact-check is its former name)")
     plan.add_argument("--no-exact", dest="exact", action="store_false",
                       help="also admit plans that run token-wise work (MLPs, the LM head and loss) in chunks, where the "
                            "exact plan cannot fit: gradients allclose to the model's, not bitwise")

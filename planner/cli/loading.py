@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from ..capture.trace import normalize_inputs  # what an apply folder's load.py imports: from here alone
 from ..errors import InputError
+from ..profile.loss import default_loss
 from .applied import APPLIED_FORMAT, Applied, load_applied, write_applied  # the apply folder; importable from here
 from .models import LoadedModel, _first_line, load_model, model_kind  # noqa: F401 - importable from here, as before
 
@@ -52,6 +54,8 @@ __all__ = [
     "model_kind",
     "write_applied",
     "load_applied",
+    "normalize_inputs",
+    "default_loss",
 ]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def foreign_files(folder: Path, manifest: dict[str, Any], written_by_older: dict[str, str]) -> list[str]:
+def foreign_files(folder: Path, manifest: dict[str, Any], written_by_older: dict[str, str],
+                  earlier: Callable[[bytes], bool] = lambda data: False) -> list[str]:
     """Entries of an earlier apply folder that apply did not write, or that changed since it wrote them.
 
     `manifest["written"]` lists what apply wrote with digests; a folder from before it was recorded is
-    judged by name and, for the text files, content (`written_by_older`: {name: the text apply writes}).
+    judged by name and, for the text files, content (`written_by_older`: {name: the text apply writes},
+    or `earlier(data)`: what an earlier release wrote under that name).
     """
     recorded = manifest.get("written") if isinstance(manifest.get("written"), dict) else None
     found = []
@@ -86,7 +89,8 @@ def foreign_files(folder: Path, manifest: dict[str, Any], written_by_older: dict
             if recorded.get(rel) != _sha256(p):
                 found.append(rel)
         elif rel in written_by_older:
-            if p.read_bytes() != written_by_older[rel].encode():
+            data = p.read_bytes()
+            if data != written_by_older[rel].encode() and not earlier(data):
                 found.append(rel)
         elif not (rel in ("plan.json", "state_dict.pt", "inputs.pt", "model.pt2", "model.pt")
                   or (rel.startswith("code/") and rel.endswith(".py"))):

@@ -30,7 +30,7 @@ def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) 
 def timeline_data(problem: Any, regions: Sequence[tuple[int, int]], saved: Sequence[int] = ()) -> dict[str, Any]:
     """Predicted live bytes after every simulator event of one step (forward, recompute, backward);
     `saved`: the ops selective regions keep, as the plan's own figures count them."""
-    from ..solvers import simulate
+    from ..solvers.simulate import simulate
 
     sim = simulate(problem, regions, saved=tuple(saved), timeline=True)
     values = [int(b) for _, _, b in sim.timeline]
@@ -49,28 +49,19 @@ def curve_data(
 ) -> dict[str, list[dict[str, Any]]]:
     """Per solver, (peak bytes, recompute seconds) at `points` budgets from the fixed memory to the baseline peak.
 
-    Uses `solvers.sweep` when it exists, else one solve per budget; infeasible budgets are left out.
+    One `sweep` per solver (what does not depend on the budget built once); infeasible budgets are left out.
     `tick` is called once per solver (progress bars).
     """
-    from .. import solvers
-    from ..solvers import InfeasibleBudgetError, simulate
+    from ..solvers.simulate import simulate
+    from ..solvers.sweep import sweep
 
     base = simulate(problem, ()).peak_bytes
     fixed = problem.fixed_bytes
     eager = step_baseline(problem)
     budgets = [int(fixed + (base - fixed) * (k + 1) / points) for k in range(points)] if points > 0 else []
-    sweep = getattr(solvers, "sweep", None)
     curves: dict[str, list[dict[str, Any]]] = {}
     for name in solver_names:
-        if sweep is not None:
-            found = list(sweep(problem, budgets, solver=name))
-        else:
-            found = []
-            for b in budgets:
-                try:
-                    found.append(solvers.solve(problem, b, name))
-                except InfeasibleBudgetError:
-                    found.append(None)
+        found = sweep(problem, budgets, solver=name)
         curves[name] = [
             {
                 "budget_bytes": b,

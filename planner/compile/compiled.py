@@ -39,16 +39,17 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..choose.base import BasePlanner
 from ..errors import InputError
 from ..plan import Plan
-from ..solvers import InfeasibleBudgetError
+from ..settings import LOWERINGS, PlanRequest
+from ..solvers.registry import InfeasibleBudgetError
 from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
 from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend
 
 __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "compile_saved_plan",
            "interleaved_step_times", "measure_compiled_step"]
 
-LOWERINGS = ("best", "regions", "knapsack")
 """How a plan becomes a compiled step: whole checkpoint regions, our knapsack inside the partitioner
 (planner/compile/knapsack.py), or both tried and the faster one that fits kept."""
 
@@ -116,7 +117,7 @@ class _Tried:
     compile_s: float
 
 
-class CompiledPlanner:
+class CompiledPlanner(BasePlanner):
     """Plans from a `Planner`, compiled and measured; re-planned tighter while over the budget.
 
         cp = CompiledPlanner(Planner(model, inputs))
@@ -178,15 +179,16 @@ class CompiledPlanner:
             self._tried[key] = _Tried(module, measured, time.perf_counter() - t0)
         return self._tried[key]
 
-    def plan(self, *, budget_gb: float | None = None, budget_bytes: int | None = None,
-             activation_budget: float | None = None, **plan_args: Any) -> Plan:
-        """A compiled plan whose measured peak is within the budget (see `Planner.plan` for the arguments),
-        lowered as `self.lowering` says; "best" lowers it both ways and keeps the faster one that fits."""
-        budgets = dict(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget)
+    def plan_for(self, request: PlanRequest) -> Plan:
+        """A compiled plan whose measured peak is within the budget, lowered as `self.lowering` says; "best"
+        lowers it both ways and keeps the faster one that fits."""
+        keywords = request.keywords()
+        budgets = {k: keywords.pop(k) for k in ("budget_gb", "budget_bytes", "activation_budget")}
+        plan_args = keywords
         knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
         if self.lowering == "regions" or (self.lowering == "best" and not knapsack_ok):
             return self._plan_regions(**budgets, **plan_args)
-        budget = self._budget_bytes(**budgets)
+        budget = request.budget.in_bytes(self.planner.problem.fixed_bytes, self.planner.baseline_peak_bytes)
         if self.lowering == "knapsack":
             return self._plan_knapsack(budget, plan_args)
         if budget is None:  # no budget: the knee plan; the knapsack's own loosest point has no budget to meet
@@ -203,14 +205,9 @@ class CompiledPlanner:
             raise min(errors.values(), key=lambda e: e.smallest_bytes)
         return self._choose(got, errors)
 
-    def _budget_bytes(self, *, budget_gb: float | None, budget_bytes: int | None, activation_budget: float | None) -> int | None:
-        from ..choose.budget import check_budget_args as _check_budget_args
-
-        budget = _check_budget_args(budget_gb, budget_bytes, activation_budget)
-        if activation_budget is not None:
-            fixed = self.planner.problem.fixed_bytes
-            budget = int(fixed + activation_budget * (self.planner.baseline_peak_bytes - fixed))
-        return budget
+    @property
+    def baseline_peak_bytes(self) -> int:
+        return self.planner.baseline_peak_bytes
 
     def _choose(self, got: dict[str, Plan], errors: dict[str, CompiledBudgetError]) -> Plan:
         """The faster of the lowerings that fit, by the median over interleaved rounds of the ratio of their step
@@ -290,7 +287,7 @@ class CompiledPlanner:
                                                  extra_bytes=self.extra_bytes, loss_fn=self.loss_fn)
                 return compiled, measured, time.perf_counter() - t0
 
-            config = self.planner._settings.get("profile_config")
+            config = self.planner.setup.profile
             self._knapsack = KnapsackLowering(compile_measure, config=config,
                                               max_tries=self.max_replans + self.max_loosen, slack=self.slack)
         return self._knapsack

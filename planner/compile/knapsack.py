@@ -83,7 +83,7 @@ def solve_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
     Sizes are bytes (integers), values seconds. Solved as a MILP (HiGHS in-process when installed, else
     pulp's CBC, the other one if the first fails); the result is checked in integers.
     """
-    from ..solvers.milp_backend import ILPSolveError, _backend, _backends, native_stdout_dropped
+    from ..solvers.exact.milp_backend import ILPSolveError, _backend, _backends, native_stdout_dropped
 
     if len(sizes) != len(values):
         raise InputError(f"knapsack: {len(sizes)} sizes but {len(values)} values; give one of each per item")

@@ -90,7 +90,7 @@ class FirstBatchPlanner:
         self.plan: Any = None
         """The Plan made on the first batch (None before it)."""
         self.application: Any = None
-        """What Plan.apply did (planner.apply.Application)."""
+        """What Plan.apply did (lower.apply.Application)."""
         self.measured_peak_bytes: int | None = None
         """Peak of forward + backward of step `measure_step`, in bytes (None until measured)."""
         self._handle = None

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import InfeasibleBudgetError, InputError, PlanMismatchError
-from ..solvers import Problem, simulate
+from ..errors import InputError, PlanMismatchError
+from ..solvers.problem import Problem
+from ..solvers.registry import InfeasibleBudgetError
+from ..solvers.simulate import simulate
 from .rewrite import _restore_buffers
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Timing a model is most of what planning costs (each node run several times, the step calibrated),
 and none of it decides whether a budget can be met: feasibility is decided from bytes alone
-(planner/budget.py). So when a budget is given, `Planner` first profiles one recorded step with
+(planner/choose/budget.py). So when a budget is given, `Planner` first profiles one recorded step with
 FLOP times (`bytes_config`: the same recorded run, allocator readings included, that the timed
 profile records, without its timed runs), refuses an infeasible budget from it, and times the model
 only for a budget that can be met.
@@ -20,15 +20,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..capture.trace import Capture
+from ..progress import logger, stage
 from .graph import CostGraph
-from .profiler import ProfileConfig
+from .profiler import ProfileConfig, profile
+from .timing import with_step_times
 from .timing_store import store_dir
 
-__all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES"]
+__all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES", "profile_for_planning"]
 
 
 def bytes_config(config: ProfileConfig) -> ProfileConfig:
@@ -100,3 +104,28 @@ class ProfileMemo:
 
 PROFILES = ProfileMemo()
 """The process's measured profiles (Planner reads and fills it)."""
+
+
+def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileConfig,
+                         check_bytes: Callable[[CostGraph], None] | None = None) -> CostGraph:
+    """The profile a Planner plans on: reused when this process measured the same graph, weights and
+    inputs; else, where `check_bytes` is given and the profile times the model, the bytes pass first
+    (`check_bytes(cost)` refuses an infeasible budget before any timing), then the timed profile and
+    the step times."""
+    memo = PROFILES.key(model, cap, config)
+    cost = PROFILES.get(memo)
+    if cost is not None:
+        with stage("profile", "reused: this process measured the same graph, weights and inputs"):
+            return cost
+    if check_bytes is not None and needs_bytes_pass(config):
+        with stage("bytes", "one recorded step, no timing: can the budget be met?"):
+            check_bytes(profile(cap, bytes_config(config)))
+    with stage("profile", "meta tensors" if config.meta else "running each node"):
+        cost = profile(cap, config)
+    logger.info("profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
+                cost.total_saved_bytes / 1e6, cost.total_time * 1e3, cost.time_source)
+    if config.overheads and cost.time_source != "flops":  # FLOP times have no step to time
+        with stage("step times", "the eager step, the captured graph and one calibration step"):
+            cost = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
+    PROFILES.put(memo, cost)
+    return cost

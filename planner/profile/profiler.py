@@ -212,85 +212,30 @@ def _build(
     params = {storage_key(p): p for p in gm.parameters() if p.requires_grad}
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     index = {n.name: i for i, n in enumerate(compute)}
-    owner: dict[int, int] = {}  # storage key -> storage index
-    storages: list[dict[str, Any]] = []
+    table = _StorageTable(external)
     nodes: list[dict[str, Any]] = []
-    param_reader: dict[int, int] = {}
+    param_reader: dict[int, int] = {}  # parameter storage key -> the last node that reads it
     grad_of: dict[str, int] = {}  # node name -> node whose output gradient its own gradient is (views)
-    # Per node, the allocator's peak while it ran above what it left allocated (bytes): kernel
-    # workspaces (oneDNN convolution, BLAS packing) that no tensor shows. 0 on fake tensors.
-    alloc_temp: dict[str, int] = {}
-    for w in prof.meter.windows() if prof.meter is not None else ():
-        alloc_temp[w.name] = max(alloc_temp.get(w.name, 0), w.peak - w.end)
+    alloc_temp = _allocator_temps(prof)
     rng_bytes = rng_state_bytes(torch.device(device))
     stale = stale_reads(gm)  # reads a buffer the forward writes later: a recompute would see the new value
     for i, n in enumerate(compute):
         value = env[n]
         packed, peak_extra, kept_extra, flops = prof.events[n.name]
-        reads: list[int] = []
-        in_bytes = 0
-        for arg in n.all_input_nodes:
-            for t in strided_tensors(env.get(arg)):
-                key = storage_key(t)
-                in_bytes += t.numel() * t.element_size()
-                if key in owner and owner[key] not in reads:
-                    reads.append(owner[key])
-                if key in params:
-                    param_reader[key] = i
-        if n.op == "call_module":
-            for p in gm.get_submodule(n.target).parameters():
-                if p.requires_grad:
-                    param_reader[storage_key(p)] = i
-        out_bytes, grad_bytes = 0, 0
-        base = _viewed_node(n, value, env, owner) if not mutated_inputs(gm, n) else None
+        reads, in_bytes = _reads(gm, n, i, env, table.owner, params, param_reader)
+        base = _viewed_node(n, value, env, table.owner) if not mutated_inputs(gm, n) else None
         if base is not None:
             # A reshaping view (view, transpose, permute...): its backward hands the gradient on
             # as a view, so its gradient is its base's, made by the view's consumers' backward.
             grad_of[n.name] = grad_of.get(base.name, index[base.name])
-        for t in strided_tensors(value):
-            key = storage_key(t)
-            if key in external or key in owner:
-                # No new storage: an in-place op (relu_, add_) or a view of an activation. The
-                # gradient of its output is still a new tensor of the output's size, made by the
-                # consumers' backward (a view's backward hands it on to its base as a view).
-                if base is None and key in owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                    grad_bytes += t.numel() * t.element_size()
-                continue
-            owner[key] = len(storages)
-            nbytes = t.untyped_storage().nbytes()
-            storages.append({"producer": i, "nbytes": nbytes, "last_use": i, "saved_by": set(), "is_output": False})
-            out_bytes += nbytes
-            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                grad_bytes += t.numel() * t.element_size()
-        for t in alive(packed):
-            key = storage_key(t)
-            if key in external:
-                continue
-            if key not in owner:  # made and kept inside the op (a dropout mask, softmax stats)
-                owner[key] = len(storages)
-                storages.append(
-                    {
-                        "producer": i,
-                        "nbytes": t.untyped_storage().nbytes(),
-                        "last_use": i,
-                        "saved_by": set(),
-                        "is_output": False,
-                    }
-                )
-            storages[owner[key]]["saved_by"].add(i)
-        for s in reads:
-            storages[s]["last_use"] = max(storages[s]["last_use"], i)
+        out_bytes, grad_bytes = table.add_outputs(i, value, viewed=base is not None)
+        table.add_saved(i, packed)
+        table.read(reads, i)
         temp = max(0, peak_extra - kept_extra, alloc_temp.get(n.name, 0))
         fwd_time = (
             times.get(n.name, 0.0) if times is not None else _roofline(flops, in_bytes + out_bytes, device, config)
         )
-        recomputable = not (
-            (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
-            or n.meta.get(UNREPLAYABLE_META, False)  # a draw written aside (rrelu's noise): rng.py
-            or (writes_by_schema(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
-            or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
-            or n in stale
-        )
+        recomputable = _recomputable(gm, n, stale)
         nodes.append(
             {
                 "name": n.name,
@@ -316,14 +261,134 @@ def _build(
                 "dtype": str(strided_tensors(value)[0].dtype).replace("torch.", "") if strided_tensors(value) else "",
             }
         )
+    _mark_outputs(gm, env, index, table, nodes)
+    return _cost_graph(gm, flat, nodes, table.storages, params, param_reader, method=method, device=device)
+
+
+def _allocator_temps(prof: CostProfiler) -> dict[str, int]:
+    """Per node, the allocator's peak while it ran above what it left allocated (bytes): kernel
+    workspaces (oneDNN convolution, BLAS packing) that no tensor shows. Empty on fake tensors."""
+    alloc_temp: dict[str, int] = {}
+    for w in prof.meter.windows() if prof.meter is not None else ():
+        alloc_temp[w.name] = max(alloc_temp.get(w.name, 0), w.peak - w.end)
+    return alloc_temp
+
+
+def _reads(
+    gm: fx.GraphModule,
+    n: fx.Node,
+    i: int,
+    env: dict,
+    owner: dict[int, int],
+    params: dict[int, torch.Tensor],
+    param_reader: dict[int, int],
+) -> tuple[list[int], int]:
+    """The activation storages node `i` reads (storage indices, first read first) and the bytes of all its
+    tensor inputs; records it as the last reader of each trainable parameter it reads (`param_reader`)."""
+    reads: list[int] = []
+    in_bytes = 0
+    for arg in n.all_input_nodes:
+        for t in strided_tensors(env.get(arg)):
+            key = storage_key(t)
+            in_bytes += t.numel() * t.element_size()
+            if key in owner and owner[key] not in reads:
+                reads.append(owner[key])
+            if key in params:
+                param_reader[key] = i
+    if n.op == "call_module":
+        for p in gm.get_submodule(n.target).parameters():
+            if p.requires_grad:
+                param_reader[storage_key(p)] = i
+    return reads, in_bytes
+
+
+class _StorageTable:
+    """The activation storages found so far, each once, by storage key; parameters, buffers and graph
+    inputs (`external`) are not activations."""
+
+    def __init__(self, external: dict[int, torch.Tensor]) -> None:
+        self.external = external
+        self.owner: dict[int, int] = {}  # storage key -> storage index
+        self.storages: list[dict[str, Any]] = []
+
+    def _new(self, key: int, producer: int, nbytes: int) -> None:
+        self.owner[key] = len(self.storages)
+        self.storages.append(
+            {"producer": producer, "nbytes": nbytes, "last_use": producer, "saved_by": set(), "is_output": False}
+        )
+
+    def add_outputs(self, i: int, value: Any, *, viewed: bool) -> tuple[int, int]:
+        """Node `i`'s new output storages; returns its output bytes and the bytes of its output's gradient."""
+        out_bytes, grad_bytes = 0, 0
+        for t in strided_tensors(value):
+            key = storage_key(t)
+            if key in self.external or key in self.owner:
+                # No new storage: an in-place op (relu_, add_) or a view of an activation. The
+                # gradient of its output is still a new tensor of the output's size, made by the
+                # consumers' backward (a view's backward hands it on to its base as a view).
+                if not viewed and key in self.owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                    grad_bytes += t.numel() * t.element_size()
+                continue
+            nbytes = t.untyped_storage().nbytes()
+            self._new(key, i, nbytes)
+            out_bytes += nbytes
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                grad_bytes += t.numel() * t.element_size()
+        return out_bytes, grad_bytes
+
+    def add_saved(self, i: int, packed: Any) -> None:
+        """What node `i`'s backward keeps (the pack hook's tensors): saved by `i`."""
+        for t in alive(packed):
+            key = storage_key(t)
+            if key in self.external:
+                continue
+            if key not in self.owner:  # made and kept inside the op (a dropout mask, softmax stats)
+                self._new(key, i, t.untyped_storage().nbytes())
+            self.storages[self.owner[key]]["saved_by"].add(i)
+
+    def read(self, reads: list[int], i: int) -> None:
+        for s in reads:
+            self.storages[s]["last_use"] = max(self.storages[s]["last_use"], i)
+
+
+def _recomputable(gm: fx.GraphModule, n: fx.Node, stale: Any) -> bool:
+    """Whether running `n` again in a recompute gives what its first run gave."""
+    return not (
+        (n.op == "call_module" and str(n.target) in _NOT_RECOMPUTABLE_MODULES)
+        or n.meta.get(UNREPLAYABLE_META, False)  # a draw written aside (rrelu's noise): rng.py
+        or (writes_by_schema(n) and any(a.op == "placeholder" for a in n.all_input_nodes))
+        or any(r.op == "placeholder" for r in written_roots(gm, n))  # writes an input, maybe via a view
+        or n in stale
+    )
+
+
+def _mark_outputs(
+    gm: fx.GraphModule, env: dict, index: dict[str, int], table: _StorageTable, nodes: list[dict[str, Any]]
+) -> None:
+    """Flag the storages the graph returns and the nodes whose outputs it returns."""
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     for t in strided_tensors(env.get(output_node, None)) if output_node in env else []:
         key = storage_key(t)
-        if key in owner:
-            storages[owner[key]]["is_output"] = True
+        if key in table.owner:
+            table.storages[table.owner[key]]["is_output"] = True
     for arg in output_node.all_input_nodes:
         if arg.name in index:
             nodes[index[arg.name]]["is_output"] = True
+
+
+def _cost_graph(
+    gm: fx.GraphModule,
+    flat: list[Any],
+    nodes: list[dict[str, Any]],
+    storages: list[dict[str, Any]],
+    params: dict[int, torch.Tensor],
+    param_reader: dict[int, int],
+    *,
+    method: str,
+    device: str,
+) -> CostGraph:
+    """The CostGraph of the per-node and per-storage records; each parameter's gradient is counted at the
+    last node that reads it (bytes)."""
     pgrad = [0] * len(nodes)
     for key, i in param_reader.items():
         p = params[key]

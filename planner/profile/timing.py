@@ -94,7 +94,7 @@ def anchor_times(cost: CostGraph, store: TimingStore | None = None) -> CostGraph
     of a model repeat them), rounded to the time grid; where those runs disagree, the FLOP/bytes
     estimate (`estimated_times`). See the module docstring.
 
-    `store`: the device's timing store (planner.timing_store); a key it holds takes the stored time,
+    `store`: the device's timing store (profile/timing_store.py); a key it holds takes the stored time,
     a key it lacks is stored with this run's."""
     nodes = cost.nodes
     if not nodes or cost.time_source != "measured":
@@ -296,9 +296,9 @@ def step_times(
 
 def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
     """Regions to time a real recompute with: one per repeated block, else about sqrt(n) even runs."""
-    from ..solvers.basic import uniform
     from ..solvers.costs import trim_flat_regions
-    from ..solvers.selective import block_regions
+    from ..solvers.heuristics.basic import uniform
+    from ..solvers.heuristics.selective import block_regions
 
     try:
         problem = cost.to_problem()
@@ -322,7 +322,7 @@ def with_step_times(
     grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
 
     `timing_store`: with fitted times, the step timings are kept in the device's timing store under the
-    graph's signature (planner.timing_store): the calibration's three steps side by side, with what the
+    graph's signature (profile/timing_store.py): the calibration's three steps side by side, with what the
     profile predicted for them, as one snapshot that heals whole when a run measures it clearly faster;
     the eager and graph steps at the lowest run yet. The figures are derived from what the store holds,
     so a run that the machine's load slowed down plans as the stored runs did.
@@ -369,7 +369,7 @@ figures come from the snapshot alone, so a node time or call cost that heals lat
 
 def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[str, float]:
     """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
-    from ..solvers import simulate
+    from ..solvers.simulate import simulate
 
     sim = simulate(cost.to_problem(), regions)
     calls = sim.call_time + sim.hook_time

@@ -10,7 +10,7 @@ later one reads it, so the plan is a function of the model, the inputs and the b
 
 It also keeps, per graph and budget, the plan the last run chose (`plans`): a later run keeps that
 plan unless its own solve beats it, on this run's figures, by more than a measurement can tell apart
-(planner.steady). A heal that moves a near-equal plan ahead then leaves the plan alone.
+(choose/plan_store.py). A heal that moves a near-equal plan ahead then leaves the plan alone.
 
 Every entry is a time measured directly, or a snapshot of times measured side by side in one run,
 and load only ever adds time: a later run that measures one clearly lower (a first run that load

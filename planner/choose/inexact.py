@@ -1,0 +1,42 @@
+"""optimize(..., exact=False): the exact plan where it fits the budget, else the plan on the graph whose
+token-wise groups (MLPs, the LM head and its loss) run in chunks of tokens (lower/chunk.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ..plan import Plan
+from ..settings import PlanRequest, Setup
+from ..solvers.registry import InfeasibleBudgetError
+from .base import BasePlanner
+
+__all__ = ["inexact_setup", "plan_inexact"]
+
+
+def inexact_setup(setup: Setup, exact: bool) -> Setup:
+    """The setup of exact=False's two planners: the exact one, and the chunked one (captured by export,
+    whose aten ops the token-wise analysis reads)."""
+    exactness = dataclasses.replace(setup.exactness, exact=exact)
+    return dataclasses.replace(setup, exactness=exactness, capture_method=setup.capture_method if exact else "export")
+
+
+def plan_inexact(make: Callable[[bool], BasePlanner], request: PlanRequest) -> tuple[Plan, BasePlanner]:
+    """optimize(..., exact=False): the exact plan where it fits the budget; else the plan on the graph whose
+    token-wise groups run in chunks. `make(exact)` builds the Planner; returns the plan and its planner."""
+    planner = make(True)
+    try:
+        plan = planner.plan_for(request)
+    except InfeasibleBudgetError as e:
+        exact_error = e
+    else:
+        plan.stats["exact"] = False
+        plan.stats["chunks"] = []
+        plan.notes = (*plan.notes, "exact=False: the exact plan fits the budget, so no token-wise work is chunked")
+        return plan, planner
+    planner = make(False)
+    if not planner.chunks:
+        raise exact_error
+    plan = planner.plan_for(request)
+    plan.notes = (*plan.notes, f"exact=False: token-wise work is chunked because the exact plan does not fit ({exact_error})")
+    return plan, planner

@@ -1,0 +1,134 @@
+"""A captured and profiled model: what every step of choosing reads.
+
+`profiled()` turns one profile into the problem the solvers see (optimizer state and sharding counted,
+the device's cost refit applied) and places the model's own checkpoint calls in it. The safety net
+narrows `problem` when a plan's step differs from the model's; `floors` caches the least-memory plans
+that feasibility is judged on (choose/budget.py), so it is cleared with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..capture.frozen import ValueGuard
+from ..capture.own_checkpoint import own_spans
+from ..capture.trace import Capture
+from ..distributed import optimizer_state_bytes, shard_problem
+from ..lower.chunk import ChunkSpec
+from ..profile.graph import CostGraph
+from ..profile.profiler import ProfileConfig
+from ..profile.timing_store import TimingStore, open_store
+from ..settings import Setup
+from ..solvers.problem import Problem
+from ..solvers.simulate import simulate
+from .cost_refit import learned
+from .regions import laminar
+
+__all__ = ["Profiled", "profiled", "EVAL_NOTE"]
+
+Regions = tuple[tuple[int, int], ...]
+
+EVAL_NOTE = (
+    "the model was in eval mode: planned for its training step (train mode: dropout on, BatchNorm on batch "
+    "statistics), which plan.module runs in train mode; in eval mode plan.module runs the model as given"
+)
+
+
+@dataclass(eq=False)
+class Profiled:
+    """One model's capture and profile, as the choosing steps read them."""
+
+    model: torch.nn.Module
+    capture: Capture
+    cost: CostGraph
+    problem: Problem
+    """What the solvers see: bytes and times per node, fixed memory (parameters, inputs, optimizer state)."""
+    setup: Setup
+    own_regions: Regions = ()
+    """Node spans of the model's own checkpoint calls (the model as given recomputes these)."""
+    own_unplaced: list[str] = field(default_factory=list)
+    """The model's own checkpoint calls that could not be located in the graph."""
+    chunks: list[ChunkSpec] = field(default_factory=list)
+    """Token-wise groups run in chunks (exact=False only)."""
+    capture_notes: list[str] = field(default_factory=list)
+    dist_notes: list[str] = field(default_factory=list)
+    values: ValueGuard | None = None
+    """Python values the graph holds as constants, checked before each training call of plan.module."""
+    floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
+
+    @property
+    def profile_config(self) -> ProfileConfig:
+        return self.setup.profile or ProfileConfig()
+
+    @property
+    def real(self) -> bool:
+        """Whether the model runs on real tensors (not fake ones): steps can be checked and timed."""
+        return not self.profile_config.meta and not self.setup.meta and not any(
+            t.device.type == "meta" for t in list(self.model.parameters()) + list(self.model.buffers())
+        )
+
+    @property
+    def check(self) -> bool:
+        """Whether each plan's step is checked against the model's before it is returned."""
+        return self.setup.exactness.check_step and self.real
+
+    @property
+    def exact(self) -> bool:
+        return self.setup.exactness.exact
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.problem.nodes]
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        """Predicted peak of one step of the model as given (its own checkpointing included)."""
+        return simulate(self.problem, self.own_regions).peak_bytes
+
+    @property
+    def no_checkpoint_peak_bytes(self) -> int:
+        """Predicted peak of one step with no checkpointing at all."""
+        return simulate(self.problem, ()).peak_bytes
+
+    def store(self) -> TimingStore:
+        """The device's timing store (plans kept, autotune choices, the cost refit)."""
+        return open_store(self.cost.device, self.profile_config.timing_store)
+
+    def narrowed(self, problem: Problem) -> None:
+        """The safety net forbade some nodes: every cached floor plan is stale."""
+        self.problem = problem
+        self.floors.clear()
+
+
+def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: Setup, *,
+             chunks: list[ChunkSpec] | None = None, capture_notes: list[str] | None = None) -> Profiled:
+    """The problem, the model's own regions and the notes of one profile (the bytes pass's or the timed one)."""
+    problem = cost.to_problem(optimizer_bytes=optimizer_state_bytes(model, setup.optimizer), name=type(model).__name__)
+    dist = setup.distributed
+    problem, dist_notes = shard_problem(problem, model, world_size=dist.world_size, sharding=dist.sharding)
+    if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (cost_refit.py)
+        problem, fit = learned(problem, open_store(cost.device, (setup.profile or ProfileConfig()).timing_store))
+        if fit is not None:
+            dist_notes = [*dist_notes, (
+                f"times refit on this device from {fit.rows} measured plans: node times x{fit.scale:.2f}, "
+                f"{fit.per_region_s * 1e6:.0f} us per region")]
+    nodes = cost.nodes
+    spans, unplaced = own_spans(
+        capture.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes], [n.recomputable for n in nodes]
+    )
+    return Profiled(
+        model=model, capture=capture, cost=cost, problem=problem, setup=setup, own_regions=laminar(problem, spans),
+        own_unplaced=unplaced, chunks=list(chunks or []), capture_notes=list(capture_notes or []),
+        dist_notes=list(dist_notes),
+    )
+
+
+def whole_modules_allowed(p: Profiled) -> bool:
+    """Whether hand-written plans may race as the model's own code (`checkpointed_copy`): not where
+    that code differs from the planned step (its own checkpointing, eval mode, chunked groups)."""
+    cap = p.capture
+    own = p.own_regions or cap.builtin_checkpointing or p.own_unplaced or any(
+        getattr(m, "gradient_checkpointing", False) is True for m in p.model.modules())
+    return not own and EVAL_NOTE not in p.capture_notes and not p.chunks

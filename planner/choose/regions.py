@@ -1,0 +1,70 @@
+"""Region bookkeeping every plan goes through: re-simulated after its regions move, merged with the
+model's own checkpoint spans, and moved off in-place writes (`finish_regions`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..lower.rewrite import safe_regions
+from ..solvers.problem import Problem, Solution
+from ..solvers.simulate import normalize_regions, simulate
+
+__all__ = ["Regions", "with_regions", "laminar", "merge_own", "kept_saved", "finish_regions"]
+
+Regions = tuple[tuple[int, int], ...]
+
+
+def with_regions(problem: Problem, solution: Solution, regions, budget=None, stats=None) -> Solution:
+    """`solution` with `regions` in place of its own (and the kept ops still inside them), re-simulated."""
+    saved = kept_saved(regions, solution.saved)
+    sim = simulate(problem, regions, saved=saved)
+    return dataclasses.replace(
+        solution,
+        regions=tuple(regions),
+        saved=saved,
+        peak_bytes=sim.peak_bytes,
+        recompute_time=sim.recompute_time,
+        budget_bytes=solution.budget_bytes if budget is None else budget,
+        stats={**solution.stats, **(stats or {})},
+    )
+
+
+def laminar(problem: Problem, spans) -> tuple[tuple[int, int], ...]:
+    """The spans that nest properly, in order (a span crossing an earlier one is left out)."""
+    kept: list[tuple[int, int]] = []
+    for span in spans:
+        try:
+            kept = list(normalize_regions(problem, kept + [span]))
+        except Exception:  # noqa: BLE001 - a crossing span is not kept
+            continue
+    return tuple(kept)
+
+
+def merge_own(own, regions) -> list[tuple[int, int]]:
+    """The model's own regions plus the solver's regions that are disjoint from them or contain them."""
+    out = list(own)
+    for s, e in regions:
+        if all(e < a or b < s or (s <= a and b <= e and (s, e) != (a, b)) for a, b in own):
+            out.append((s, e))
+    return out
+
+
+def kept_saved(regions, saved) -> tuple[int, ...]:
+    """Saved ops still inside a region after the regions moved (a moved region's cache may not reach them)."""
+    return tuple(i for i in saved if any(s <= i <= e for s, e in regions))
+
+
+def finish_regions(problem: Problem, graph_module, regions, own: Regions = ()) -> tuple[Regions, list[str]]:
+    """A solver's regions after what happens to every plan: the model's own regions merged in (`own`,
+    when they are kept), cuts moved off in-place writes (safe_regions). Returns (regions, notes)."""
+    regions = list(regions)
+    if own:
+        regions = merge_own(own, regions)
+    notes: list[str] = []
+    for _ in range(4):  # until stable: rewrite() runs safe_regions again on what it is given
+        safe, moved = safe_regions(graph_module, regions)
+        notes += moved
+        if sorted(safe) == sorted(tuple(r) for r in regions):
+            break
+        regions = safe
+    return normalize_regions(problem, safe), notes

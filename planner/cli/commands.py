@@ -1,0 +1,538 @@
+"""The `ckpt-planner` command line (also `python -m ckpt_planner`).
+
+Subcommands: plan, apply, bench, report, profile, demo. Every error is one
+line on stderr. Exit codes: 0 ok, 1 infeasible budget or failed
+verification, 2 bad usage or bad input (missing or unreadable file, bad
+shape, unknown solver, plan for another model, unwritable output), 130
+interrupted (Ctrl-C). Argument parsing and validation live in cli_args.py. Outputs
+are written to a temporary file next to the target and renamed into place,
+so a failed command leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .cli_args import build_parser
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _fmt(n: float) -> str:
+    from ..plan import _fmt_bytes
+
+    return _fmt_bytes(n)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Plan the built-in GPT-style model at half its activation memory, verify, print the summary."""
+    from ..api import optimize
+    from ..verification import verify
+    from .examples import gpt_example
+
+    model, inputs = gpt_example(batch=args.batch, seq=args.seq, layers=args.layers)
+    plan = optimize(model, inputs, activation_budget=args.fraction, solver=args.solver)
+    report = verify(model, plan, inputs)
+    plan.measured_peak_bytes = report.measured_peak_bytes
+    plan.baseline_measured_peak_bytes = report.baseline_measured_peak_bytes
+    ok = report.exact and report.within_budget
+    if args.json:
+        _out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
+    else:
+        _out(args, plan.summary())
+        _out(args, verdict_line(report))
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def verdict_line(report) -> str:
+    """One line: did the plan's step equal the model's, and did it stay within the budget (demo, plan --verify)."""
+    return (
+        f"verified: outputs {'equal' if report.outputs_equal else 'DIFFER'}, "
+        f"gradients {'bitwise equal' if report.grads_equal else f'max diff {report.max_abs_grad_diff:.3g}'}, "
+        f"buffers {'equal' if report.buffers_equal else 'DIFFER'}; "
+        f"measured peak {_fmt(report.measured_peak_bytes)} "
+        f"({100 * report.prediction_error:+.1f} % predicted vs measured), "
+        f"{'within' if report.within_budget else 'OVER'} the budget; "
+        f"step time x{report.step_time_ratio:.2f} of no checkpointing"
+    )
+
+
+def _report_dict(report) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(report)
+    d["prediction_error"] = report.prediction_error
+    d["within_budget"] = report.within_budget
+    return d
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Print the per-node cost table and totals of a model (MODEL as for `plan`) or a built-in example."""
+    from ..capture.trace import capture
+    from ..errors import InputError
+    from ..model_state import ModelState
+    from ..profile.profiler import ProfileConfig, profile
+    from .examples import EXAMPLES
+
+    if args.model is not None and args.example is not None:
+        raise InputError("example: give MODEL or --example, not both")
+    if args.model is None:
+        if args.input or args.inputs:
+            raise InputError("input: --input/--inputs need a MODEL (the built-in examples bring their own)")
+        model, inputs = EXAMPLES[args.example or "gpt"]()
+    else:
+        loaded, inputs, _ = _model_and_inputs(args)
+        model = loaded.model
+    meta = args.meta or args.device == "meta"
+    with ModelState(model).preserved():
+        cap = capture(model, inputs)
+        cost = profile(cap, ProfileConfig(meta=meta))
+    rows = cost.table()
+    totals = {
+        "nodes": len(rows),
+        "capture": cap.method,
+        "saved_bytes": cost.total_saved_bytes,
+        "forward_s": cost.total_time,
+        "flops": sum(r["flops"] for r in rows),
+        "param_bytes": cost.param_bytes,
+        "time_source": cost.time_source,
+        "estimated_nodes": sum(n.time_estimated for n in cost.nodes),
+    }
+    if args.json:
+        _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
+        return EXIT_OK
+    # Columns as wide as their longest entry: names are never cut (they are what `plan` files and notes cite).
+    w = {k: max([len(k), *(len(r[k]) for r in rows)]) for k in ("node", "target", "module")}
+    _out(args, f"{'node':<{w['node']}} {'target':<{w['target']}} {'module':<{w['module']}} "
+               f"{'saved':>10} {'output':>10} {'time ms':>8}")
+    for r in rows:
+        _out(
+            args,
+            f"{r['node']:<{w['node']}} {r['target']:<{w['target']}} {r['module']:<{w['module']}} "
+            f"{_fmt(r['saved_bytes']):>10} {_fmt(r['out_bytes']):>10} {r['time_s'] * 1e3:>8.3f}"
+        )
+    _out(
+            args,
+        f"total: {totals['nodes']} nodes ({cap.method}), saved for backward {_fmt(totals['saved_bytes'])}, "
+        f"forward {totals['forward_s'] * 1e3:.1f} ms ({cost.time_source}"
+        + (f"; {totals['estimated_nodes']} from FLOPs/bytes, their runs disagreed" if totals["estimated_nodes"] else "")
+        + f"), {totals['flops'] / 1e9:.2f} GFLOP, "
+        f"parameters and buffers {_fmt(totals['param_bytes'])}"
+    )
+    return EXIT_OK
+
+
+# -- shared by plan / apply / bench / report ------------------------------------------------
+
+
+def _out(args: argparse.Namespace, text: str) -> None:
+    """The command's result on the real stdout (user code runs with stdout sent to stderr)."""
+    print(text, file=getattr(args, "stdout", None) or sys.stdout)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    """Human-readable output: stdout, unless --quiet or --json."""
+    if not args.quiet and not args.json:
+        _out(args, text)
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    if not args.quiet:
+        print(f"ckpt-planner: {text}", file=sys.stderr)
+
+
+def _bar(args: argparse.Namespace, total: int, desc: str):
+    """A tqdm bar on stderr; off with --quiet or when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=desc, file=sys.stderr, leave=False, disable=args.quiet or not sys.stderr.isatty(),
+        bar_format="{desc:<30} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+    )
+
+
+@contextlib.contextmanager
+def _stage(bar, desc: str) -> Iterator[None]:
+    bar.set_description_str(desc)
+    yield
+    bar.update(1)
+
+
+def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
+    """Fail before any work when `path` cannot be written (an InputError, exit 2; outputs.py)."""
+    from .outputs import check_output_file, check_parent
+
+    p = Path(path)
+    if not folder:
+        return check_output_file(p, what)  # a regular file or nothing: never a device, fifo or socket
+    from .applied import check_output_folder
+
+    check_parent(p, what)
+    check_output_folder(p)
+    return p
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Renamed into place; an existing file keeps its mode; any OSError is one line, exit 2 (outputs.py)."""
+    from ..plan_schema import write_file
+
+    write_file(path, text)
+
+
+def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
+    """(loaded model, inputs, record); a .pt2 model's inputs are checked against its exported shapes."""
+    from ..capture.preflight import check_exported_inputs
+    from .loading import load_model_and_inputs
+
+    loaded, inputs, record = load_model_and_inputs(
+        args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
+        trust_pickle=args.trust_pickle, recorded=recorded,
+    )
+    if loaded.kind == "pt2":
+        check_exported_inputs(loaded.model, inputs, record.get("inputs"))
+    return loaded, inputs, record
+
+
+@contextlib.contextmanager
+def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
+    """A capture or profile failure that the inputs caused becomes an InputError naming them."""
+    from ..capture.preflight import explain_failure
+    from ..errors import CaptureError, ProfileError
+
+    try:
+        yield
+    except (CaptureError, ProfileError) as e:
+        reference = loaded.example_inputs
+        if reference is None:
+            reference = getattr(loaded.model, "example_input_array", None)
+        better = explain_failure(loaded.model, inputs, reference, e, record.get("inputs"))
+        if better is None:
+            raise
+        raise better from None
+
+
+def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
+    `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
+    from ..api import Planner
+    from ..capture.preflight import nothing_to_plan
+
+    with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
+        planner = Planner(
+            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
+            check_step=getattr(args, "check_step", True), feasible_for=feasible_for,
+        )
+    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
+    if empty is not None:
+        raise empty
+    return planner
+
+
+def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"budget_gb": args.budget_gb, "budget_bytes": args.budget_bytes, "activation_budget": args.activation_budget}
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+def _plan_inexact(args: argparse.Namespace, loaded, inputs, exact_planner):
+    """--no-exact: the exact plan where it fits, else token-wise work chunked (optimize(exact=False))."""
+    from ..api import Planner
+    from ..choose.inexact import inexact_setup, plan_inexact
+    from ..settings import PlanRequest
+
+    def make(exact: bool):
+        return exact_planner if exact else Planner(loaded.model, inputs, setup=inexact_setup(exact_planner.setup, False))
+
+    request = PlanRequest.of(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
+    return plan_inexact(make, request)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan checkpointing for a saved model; write the plan file (with the report's data)."""
+    from ..errors import InputError
+    from ..solvers.registry import get_solver
+    from .report_data import plan_data
+
+    get_solver(args.solver)
+    if args.verify and args.device == "meta":
+        raise InputError("verify: a plan made on the meta device cannot be run; drop --verify or use --device cpu/cuda")
+    if args.compile and args.device == "meta":
+        raise InputError("compile: a --compile plan is compiled and measured on real tensors; "
+                         "use --device cpu/cuda or drop --compile")
+    if args.compile and args.verify:
+        raise InputError("verify: a --compile plan is measured compiled while planning (its summary shows the "
+                         "measured peak); drop --verify")
+    if args.lowering != "best" and not args.compile:
+        raise InputError(f"lowering: {args.lowering!r} applies to --compile plans only; add --compile or drop --lowering")
+    curve_solvers = _curve_solvers(args)
+    out = _check_output(args.output, "output") if args.output else None
+    loaded, inputs, record = _model_and_inputs(args)
+    model = loaded.model
+    with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
+        budget = _budget_kwargs(args)
+        early = {**budget, "solver": args.solver} if any(v is not None for v in budget.values()) and not args.compile else None
+        planner = _planner(args, loaded, inputs, record, bar, feasible_for=early)
+        with _stage(bar, f"solving ({args.solver})"):
+            if args.compile:
+                from ..compile.compiled import CompiledPlanner
+
+                plan = CompiledPlanner(planner, lowering=args.lowering).plan(solver=args.solver, **_budget_kwargs(args))
+            elif not getattr(args, "exact", True):
+                plan, planner = _plan_inexact(args, loaded, inputs, planner)
+            else:
+                plan = planner.plan(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
+        bar.set_description_str("timeline and memory/overhead curves")
+        plan.stats.update(plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
+        plan.stats["cli"] = {**record, "optimizer": args.optimizer}
+        ok, failure, verdict = True, "", ""
+        if args.verify:
+            with _stage(bar, "verifying"):
+                ok, failure, verdict = _verify_into(plan, model, inputs)
+    if out is not None and ok:
+        _write_atomic(out, json.dumps(plan.to_dict(), indent=2))  # as Plan.save writes it
+    if args.json:
+        _out(args, json.dumps(plan.to_dict(), indent=2))
+    else:
+        _say(args, plan.summary())
+        if verdict:
+            _say(args, verdict)
+        if out is not None and ok:
+            _say(args, f"plan written to {out}")
+    if not ok:
+        print(f"ckpt-planner: verification failed: {failure}; no plan written", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _curve_solvers(args: argparse.Namespace) -> list[str]:
+    """Solvers for the report's curve: --curve-solvers, else every registered one but the trivial and exhaustive."""
+    from ..solvers.registry import SOLVERS, get_solver
+
+    if not args.curve_points:
+        return []
+    if args.curve_solvers is not None:
+        names = [s.strip() for s in args.curve_solvers.split(",") if s.strip()]
+        for name in names:
+            get_solver(name)
+        return names
+    return [s for s in sorted(SOLVERS) if s not in ("none", "auto", "bruteforce")]
+
+
+def _verify_into(plan, model, inputs) -> tuple[bool, str, str]:
+    from ..verification import verify
+
+    report = verify(model, plan, inputs)
+    plan.measured_peak_bytes = report.measured_peak_bytes
+    plan.baseline_measured_peak_bytes = report.baseline_measured_peak_bytes
+    plan.stats["verify"] = _report_dict(report)
+    problems = []
+    if not (report.exact or (plan.stats.get("exact") is False and report.grads_allclose)):
+        problems.append(f"results differ from the original: {report.mismatch()}")
+    if not report.within_budget:
+        problems.append(f"measured peak {_fmt(report.measured_peak_bytes)} is over the budget {_fmt(report.budget_bytes)}")
+    return not problems, "; ".join(problems), verdict_line(report)
+
+
+def _load_plan(path: str):
+    """Plan.load, with a file nested too deeply for the JSON reader named as a bad plan file."""
+    from ..errors import PlanFileError
+    from ..plan import Plan
+
+    try:
+        return Plan.load(path)
+    except RecursionError:
+        raise PlanFileError(f"plan file {path!r} is nested too deeply to be a plan file") from None
+
+
+# -- apply ----------------------------------------------------------------------------------
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    """Rebuild a plan on a model and write the checkpointed module as a folder that loads back."""
+    from .applied import write_applied
+
+    out = _check_output(args.output, "output folder", folder=True)
+    plan = _load_plan(args.plan)
+    recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
+    loaded, inputs, record = _model_and_inputs(args, recorded)
+    with _inputs_named(loaded, inputs, record):
+        plan.rebuild(loaded.model, inputs)
+    write_applied(out, loaded=loaded, plan=plan, example_inputs=inputs)
+    regions = sum(1 for _ in plan.regions)
+    if args.json:
+        _out(args, json.dumps({"output": str(out), "regions": regions, "fingerprint": plan.fingerprint}))
+    pickled = loaded.kind == "pickle" or (loaded.kind == "pt2" and args.trust_pickle)
+    flag = ", trust_code=True" if loaded.kind == "factory" else ", trust_pickle=True" if pickled else ""
+    cli_flag = " --trust-code" if loaded.kind == "factory" else " --trust-pickle" if pickled else ""
+    _say(
+        args,
+        f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
+        f"load it:   from ckpt_planner.cli.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
+        f"or check:  python {out}/load.py{cli_flag}   (one training step)",
+    )
+    return EXIT_OK
+
+
+# -- bench ----------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Optimize + verify with each solver side by side; table or JSON."""
+    from ..errors import InputError
+    from ..solvers.registry import SOLVERS
+    from . import bench as rep
+
+    if args.device == "meta":
+        raise InputError("device: bench runs the model; use --device cpu or cuda")
+    names = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    if not names:
+        raise InputError("--solvers: the list is empty; give comma-separated solver names")
+    skipped = [n for n in names if n not in SOLVERS]
+    names = [n for n in names if n in SOLVERS]
+    if not names:
+        raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(SOLVERS))}")
+    for n in skipped:
+        _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
+    out = _check_output(args.output, "output") if args.output else None
+    loaded, inputs, record = _model_and_inputs(args)
+    with _bar(args, 1 + len(names), "bench") as bar:
+        planner = _planner(args, loaded, inputs, record, bar)
+        bar.set_description_str("solving, verifying, timing")
+        result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
+    result.update(device=args.device, source=record, skipped=skipped)
+    if not any(r["status"] == "ok" for r in result["rows"]):
+        reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
+        print(f"ckpt-planner: no solver produced a plan ({reasons}); no bench file written", file=sys.stderr)
+        return EXIT_FAIL
+    if out is not None:
+        _write_atomic(out, json.dumps(result, indent=2))
+    if args.json:
+        rows = [{k: v for k, v in r.items() if k != "timeline"} for r in result["rows"]]
+        _out(args, json.dumps({**result, "rows": rows}, indent=2))
+    else:
+        _say(args, rep.bench_table(result) + (f"\nbench written to {out}" if out else ""))
+    bad = [r["solver"] for r in result["rows"]
+           if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
+    if bad:
+        print(f"ckpt-planner: verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _tick(bar, name: str) -> None:
+    bar.set_description_str(f"solver {name}")
+    bar.update(1)
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Render a plan file (and a bench file) as one self-contained HTML or Markdown page."""
+    from ..errors import InputError, PlanFileError
+    from . import report as rep
+
+    out = _check_output(args.output, "output")
+    fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
+    plan = _load_plan(args.plan).to_dict()
+    bench = None
+    if args.bench:
+        path = Path(args.bench)
+        if not path.is_file():
+            raise InputError(f"bench file {args.bench!r} does not exist")
+        try:
+            bench = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(f"bench file {args.bench!r} is not valid JSON ({e})") from None
+        except RecursionError:
+            raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
+        if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
+            raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
+        from ..plan_schema import check_json_limits
+
+        check_json_limits(bench, f"bench file {args.bench!r}")  # finite numbers, no lone surrogates, limits
+    try:
+        text = rep.render(plan, bench, fmt=fmt)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+        if isinstance(e, (InputError, PlanFileError)):
+            raise
+        where = f"plan file {args.plan!r}" + (f" or bench file {args.bench!r}" if args.bench else "")
+        raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {_one_line(e)[:120]})") from None
+    _write_atomic(out, text)
+    if args.json:
+        _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
+    _say(args, f"report written to {out}")
+    return EXIT_OK
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plan": cmd_plan, "apply": cmd_apply, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo, "profile": cmd_profile,
+}
+
+
+@contextlib.contextmanager
+def _no_logs() -> Iterator[None]:
+    """torch logs tracebacks (fake tensors, export, dynamo) before errors we report in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failed, 2 bad usage or input, 130 interrupted)."""
+    from ..errors import InputError, PlanFileError, PlanMismatchError, PlannerError
+    from ..solvers.exact.bruteforce import PlanSpaceTooLargeError
+    from ..solvers.registry import InfeasibleBudgetError, UnknownSolverError
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep errors to one line when a factory builds an HF model
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error already printed (2)
+        return int(e.code or 0)
+    # User code (factories, forwards) may print: its stdout goes to stderr, ours stays clean for --json.
+    args.stdout = sys.stdout
+    with warnings.catch_warnings(), _no_logs(), contextlib.redirect_stdout(sys.stderr):
+        # torch's deprecation and tracing notices are not the user's business on a command line
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+        try:
+            return _COMMANDS[args.command](args)
+        except KeyboardInterrupt:
+            print("ckpt-planner: interrupted; nothing was written", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except InfeasibleBudgetError as e:
+            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
+            return EXIT_FAIL
+        except (InputError, PlanFileError, PlanMismatchError, UnknownSolverError, PlanSpaceTooLargeError) as e:
+            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        except RecursionError:
+            print("ckpt-planner: an input file is nested too deeply to read", file=sys.stderr)
+            return EXIT_USAGE
+        except (PlannerError, ImportError, OSError) as e:
+            text = f"{type(e).__name__}: {_one_line(e)}" if isinstance(e, OSError) else _one_line(e)
+            print(f"ckpt-planner: {text}", file=sys.stderr)
+            return EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""`ilp`: a MILP over the graph, exact for flat (non-nested) region plans.
+
+Variables: one binary per candidate region [s, e] (nodes s..e recomputable, e
+a node that saves something: `costs.trim_flat_regions` shows other ends never
+help) and a path through the positions 0..n that either keeps node i (arc
+i -> i + 1) or jumps over a region (arc s -> e + 1); so regions are disjoint
+and may be adjacent. keep_i = 1 - (node i is recomputed).
+
+Memory constraints are the simulator's observations for flat plans:
+
+* forward, node j: what is live at j, plus every storage freed earlier that
+  is still kept (a saver outside all regions, or an input of a region);
+* backward, node k: gradients, outputs, forward storages whose release step
+  (earliest saver outside regions or start of a region it feeds) is <= k,
+  and the storages the active region's recompute keeps (those made at or
+  after its start whose first saver is <= k);
+* recompute of region [s, e] at step e: the same forward storages and the
+  peak of the recompute pass (precomputed per candidate).
+
+Objective: recompute time, sum of the candidates' forward times.
+
+Numerics and strength: bytes are expressed in budget units and time in units
+of the whole forward, so coefficients are near 1 (raw bytes, ~1e8, let the
+solvers' absolute tolerances prune feasible plans: HiGHS once proved a wrong
+optimum that way). A storage's release indicator is bounded below by the
+*sum* of the keep arc and the region-start arc at a step (they are exclusive
+arcs of the path), which closes most of the relaxation's gap. Each answer is
+checked: objective against `recompute_time` of the plan read back, proven
+bound against the warm start. HiGHS runs without presolve: its presolve returned
+wrong optima on this model even when well scaled.
+Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
+every plan is checked with `simulate` on the original problem and the
+budget tightened by the excess when it does not fit.
+
+Backends: HiGHS in-process (`highspy`) when installed, else pulp's bundled
+CBC. CBC is never warm-started (`-mips`) under a time limit: CBC 2.10.3
+segfaults that way on a loaded machine. A backend that fails (an exception
+such as `pulp.PulpSolverError`, a crash of the CBC process, an undefined or
+unbounded status, values that are not a plan) is retried once with the other
+backend; when both fail, `ilp` returns the best plan of uniform, greedy and
+dp instead and says why in `stats["ilp_fallback"]` (with `fallback=False` it
+raises `ILPSolveError`, for callers such as `auto` that already hold those
+plans). A time limit that passes with no plan found is an answer, not a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import warnings
+from typing import Any
+
+from ..costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
+from ..heuristics.basic import uniform
+from ..heuristics.greedy import GreedySearch
+from ..problem import Problem
+from ..registry import SolverResult, register
+from ..simulate import simulate
+from .milp_backend import (
+    _HIGHS_ERRORS,
+    ILPBackendError,
+    ILPSolveError,
+    _backend,
+    _BackendFailure,
+    _backends,
+    _best_bound,
+    _highs_model_status,
+    default_backend,
+    native_stdout_dropped,
+)
+from .stages import coarsen
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend"]
+
+
+def _solve_any(
+    problem: Problem,
+    budget: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    start=None,
+    presolve: bool = True,
+):
+    """`_solve_milp` with the backend asked for, then the other one if it fails; ILPSolveError if both do.
+
+    stats["backend_failures"] lists the failures that were retried.
+    """
+    failures: list[str] = []
+    for name in _backends(backend):
+        try:
+            regions, stats = _solve_milp(problem, budget, name, time_limit, gap, start, presolve)
+        except _BackendFailure as e:
+            failures.append(f"{name}: {e}")
+            continue
+        if failures:
+            stats = {**stats, "backend_failures": failures}
+        return regions, stats
+    raise ILPSolveError("MILP backend failed (" + "; ".join(failures) + ")")
+
+
+def _solve_milp(
+    problem: Problem,
+    budget: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    start=None,
+    presolve: bool = True,
+):
+    """Build and solve the MILP; budget None minimises the peak instead. Returns (regions | None, stats).
+
+    `start`: a flat, saver-ended plan that fits, given to the solver as its first incumbent.
+    """
+    import pulp
+
+    n, nodes, storages = problem.n, problem.nodes, problem.storages
+    saves = saver_flags(problem)
+    at, before = grad_bytes_by_step(problem)
+    # Bytes are counted in units of the budget (or of the no-checkpoint peak) and time in units of the
+    # whole forward: coefficients near 1 keep the solver's tolerances meaningful.
+    unit = float(budget if budget else max(1, simulate(problem, ()).peak_bytes))
+    nb = [st.nbytes / unit for st in storages]
+    fixed = problem.fixed_bytes / unit
+    out_bytes = sum(nb[t] for t, st in enumerate(storages) if st.is_output)
+    at, before = [v / unit for v in at], [v / unit for v in before]
+    times = [problem.region_time(i) for i in range(n)]
+    tunit = sum(times) or 1.0
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t / tunit)
+    cands = [(s, e) for e in range(n) if saves[e] for s in range(e, -1, -1) if all(nodes[i].recomputable for i in range(s, e + 1))]
+    readers: list[list[int]] = [[] for _ in storages]
+    for i, node in enumerate(nodes):
+        for t in node.reads:
+            readers[t].append(i)
+    first_saver = [min(st.saved_by) if st.saved_by else None for st in storages]
+    made_at: list[list[int]] = [[] for _ in range(n)]
+    for t, st in enumerate(storages):
+        made_at[st.producer].append(t)
+
+    prob = pulp.LpProblem("ckpt", pulp.LpMinimize)
+    make = getattr(prob, "add_variable", None)
+
+    def new_var(name: str, low=0, up=None, cat="Continuous"):
+        if make is not None:
+            return make(name, low, up, cat=cat)
+        return pulp.LpVariable(name, lowBound=low, upBound=up, cat=cat)
+
+    infeasible = False
+
+    def at_most(expr) -> None:
+        """expr <= cap, where expr may have no variable left."""
+        nonlocal infeasible
+        expr = pulp.lpSum([expr])
+        if budget is not None and not expr.keys():
+            infeasible = infeasible or expr.constant > cap + 1e-12
+        else:
+            prob.addConstraint(expr <= cap)
+
+    peak_var = new_var("peak") if budget is None else None
+    cap = peak_var if budget is None else 1.0  # budget units
+    x = {c: new_var(f"x_{c[0]}_{c[1]}", 0, 1, "Binary") for c in cands}
+    keep = [new_var(f"keep_{i}", 0, 1) for i in range(n)]
+    starting: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    ending: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for c in cands:
+        starting[c[0]].append(c)
+        ending[c[1]].append(c)
+    for q in range(n):  # one path 0 -> n: keep arcs and region arcs
+        inflow = 1 if q == 0 else keep[q - 1] + pulp.lpSum(x[c] for c in ending[q - 1])
+        prob += keep[q] + pulp.lpSum(x[c] for c in starting[q]) == inflow
+    # cover[s][k]: the region that starts at s reaches node k.
+    cover: dict[tuple[int, int], Any] = {}
+    for s in range(n):
+        if not starting[s]:
+            continue
+        hi = max(e for _, e in starting[s])
+        nxt = 0
+        for k in range(hi, s - 1, -1):
+            var = new_var(f"c_{s}_{k}", 0, 1)
+            prob += var == nxt + (x[(s, k)] if (s, k) in x else 0)
+            cover[(s, k)] = nxt = var
+    # Forward storages: y[t][k] >= [t is kept and released at a step <= k].
+    y_at: dict[int, list] = {}
+    span: dict[int, int] = {}
+    for t, st in enumerate(storages):
+        if st.is_output or not st.nbytes or not (st.saved_by or readers[t]):
+            continue
+        p = st.producer
+        K = max([p, *st.saved_by, *readers[t]])
+        span[t] = K
+        ys, prev = [], None
+        savers = set(st.saved_by)
+        for k in range(p, K + 1):
+            var = new_var(f"y_{t}_{k}", 0, 1)
+            if prev is not None:
+                prob += var >= prev
+            # Keeping node k and starting a region at k are exclusive arcs of the path: their sum is a valid
+            # (and, in the relaxation, much tighter) lower bound than either alone.
+            release = [keep[k]] if k in savers else []
+            if k > p:
+                later = [i for i in readers[t] if i >= k]
+                if later and (k, min(later)) in cover:
+                    release.append(cover[(k, min(later))])
+            if release:
+                prob += var >= pulp.lpSum(release)
+            ys.append(var)
+            prev = var
+        y_at[t] = ys
+    # W[k]: bytes of forward storages live at backward step k (outputs apart).
+    W = []
+    for k in range(n):
+        terms = []
+        for t in made_at[k]:
+            if t in y_at:
+                terms.append(nb[t] * y_at[t][0])
+        W.append(terms)
+    w_vars, acc = [], None
+    for k in range(n):
+        delta = list(W[k])
+        for t, K in span.items():
+            p = storages[t].producer
+            if p < k <= K:
+                delta.append(nb[t] * (y_at[t][k - p] - y_at[t][k - p - 1]))
+        var = new_var(f"w_{k}")
+        prob += var == (acc if acc is not None else 0) + pulp.lpSum(delta)
+        w_vars.append(var)
+        acc = var
+    # Forward: kept storages freed before j stay; the rest of the live set is plan-independent.
+    live_fw = [0] * (n + 1)
+    for t, st in enumerate(storages):
+        end = n - 1 if st.is_output else st.last_use
+        live_fw[st.producer] += nb[t]
+        live_fw[end + 1] -= nb[t]
+    run, freed = 0, [[] for _ in range(n)]
+    for t, K in span.items():
+        freed[storages[t].last_use].append(nb[t] * y_at[t][K - storages[t].producer])
+    acc_fw = None
+    for j in range(n):
+        run += live_fw[j]
+        if j:
+            var = new_var(f"f_{j}")
+            prob += var == (acc_fw if acc_fw is not None else 0) + pulp.lpSum(freed[j - 1])
+            acc_fw = var
+        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes / unit)
+    # Bytes the recompute of a region starting at s keeps at step k: made at >= s, first saver <= k.
+    keep_rc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    by_p = [0] * n
+    kept_by_k: list[list[int]] = [[] for _ in range(n)]
+    for t, f in enumerate(first_saver):
+        if f is not None:
+            kept_by_k[f].append(t)
+    for k in range(n):
+        for t in kept_by_k[k]:
+            by_p[storages[t].producer] += nb[t]
+        acc_s = 0
+        for s in range(k, -1, -1):
+            acc_s += by_p[s]
+            if (s, k) in cover and acc_s:
+                keep_rc[k].append((s, acc_s))
+    for k in range(n):
+        rc = pulp.lpSum(v * cover[(s, k)] for s, v in keep_rc[k])
+        at_most(w_vars[k] + rc + fixed + at[k] + out_bytes)
+    # Recompute pass of each candidate, at its trigger e.
+    for e in range(n):
+        if not ending[e]:
+            continue
+        terms = []
+        for s, _ in ending[e]:
+            live, peak, frees = 0, 0, {}
+            for j in range(s, e + 1):
+                for t in made_at[j]:
+                    st = storages[t]
+                    live += nb[t]
+                    f = first_saver[t]
+                    if f is None or f > e:
+                        end = min(st.last_use, e)
+                        frees[end] = frees.get(end, 0) + nb[t]
+                peak = max(peak, live + nodes[j].temp_bytes / unit)
+                live -= frees.pop(j, 0)
+            terms.append(peak * x[(s, e)])
+        at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes)
+    # Each region: its recompute time plus the fixed cost of its checkpoint call.
+    call = problem.region_overhead_s / tunit
+    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s] + call) * v for (s, e), v in x.items())
+    prob += peak_var if budget is None else time_obj
+    if infeasible:
+        return None, {"status": "Infeasible"}
+    warm = start is not None and all(c in x for c in start)
+    if warm:
+        for c, v in x.items():
+            v.setInitialValue(1 if c in start else 0)
+        covered = {i for s_, e_ in start for i in range(s_, e_ + 1)}
+        for i, v in enumerate(keep):
+            v.setInitialValue(0 if i in covered else 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
+            name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
+            try:
+                with native_stdout_dropped():  # HiGHS's banner
+                    prob.solve(solver)
+            except Exception as e:  # noqa: BLE001 - any failure of the third-party backend is retried
+                raise _BackendFailure(f"{type(e).__name__}: {str(e).strip()[:200]}") from e
+        stats: dict[str, Any] = {
+            "backend": name,
+            "variables": len(prob.variables()),
+            "constraints": prob.numConstraints(),
+            "status": pulp.LpStatus[prob.status],
+        }
+        if prob.status in (pulp.LpStatusUndefined, pulp.LpStatusUnbounded):
+            raise _BackendFailure(f"status {stats['status']!r}")  # the model is bounded and has a plan or none
+        highs_status = _highs_model_status(name, prob)
+        if highs_status in _HIGHS_ERRORS:
+            raise _BackendFailure(f"HiGHS model status {highs_status}")  # pulp reports these as "Not Solved"
+        if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return None, stats  # infeasible, or the time limit passed before any plan was found
+        objective = pulp.value(prob.objective)
+        if objective is None or objective != objective:
+            raise _BackendFailure(f"status {stats['status']!r} with no objective value")
+        bound = _best_bound(name, prob, log_path, objective)
+        scale = 1.0 if budget is None else tunit  # objective back in bytes-units / seconds
+        stats["objective"] = objective * (unit if budget is None else scale)
+        if bound is not None:
+            stats["bound"] = min(bound, objective) * (unit if budget is None else scale)
+            stats["gap"] = 0.0 if objective <= 1e-12 else max(0.0, (objective - bound) / abs(objective))
+        elif prob.sol_status == pulp.LpSolutionOptimal:
+            stats["gap"] = 0.0
+        stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-6)
+    regions = tuple(sorted(c for c, v in x.items() if (v.value() or 0) > 0.5))
+    if any(b[0] <= a[1] for a, b in zip(regions, regions[1:])):
+        raise _BackendFailure(f"status {stats['status']!r} but overlapping regions, not a plan")
+    return regions, stats
+
+
+_LOWEST_PLANS: dict[tuple[str, tuple[bool, ...]], tuple[tuple[int, int], ...]] = {}
+"""Least-peak coarse plans found so far, by the problem's structure and which nodes may be recomputed;
+a few dozen at most."""
+
+
+def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, gap: float):
+    """(peak, regions) of the least-peak plan known for `coarse`: the MILP's or a remembered one."""
+    key = (coarse.fingerprint(), tuple(node.recomputable for node in coarse.nodes))
+    found, _ = _solve_any(coarse, None, backend, time_limit, gap)
+    candidates = [r for r in (found, _LOWEST_PLANS.get(key)) if r is not None]
+    if not candidates:
+        return None, None
+    peak, regions = min((simulate(coarse, r).peak_bytes, r) for r in candidates)
+    if len(_LOWEST_PLANS) >= 64:
+        _LOWEST_PLANS.pop(next(iter(_LOWEST_PLANS)))
+    _LOWEST_PLANS[key] = regions
+    return peak, regions
+
+
+def _warm_start(coarse: Problem, target: int) -> tuple[tuple[int, int], ...] | None:
+    """The least-recompute flat plan of greedy and uniform that fits `target` on the coarse graph."""
+    best = None
+    greedy_plan = GreedySearch(coarse).solve(target)
+    candidates = []
+    if greedy_plan.stats.get("min_peak_bytes", target + 1) <= target:
+        candidates.append(greedy_plan.regions)
+    candidates.append(uniform(coarse, target).regions)
+    for regions in candidates:
+        regions = trim_flat_regions(coarse, regions)
+        if simulate(coarse, regions).peak_bytes <= target:
+            cost = recompute_time(coarse, regions)
+            if best is None or cost < best[0]:
+                best = (cost, regions)
+    return None if best is None else best[1]
+
+
+def _checked_solve(
+    problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool
+) -> tuple[tuple[tuple[int, int], ...] | None, dict[str, Any]]:
+    """Solve the MILP and check its claims against the cost model; a failed check is reported in the stats.
+
+    Checks: the objective equals the recompute time of the plan read back (when `exact`, i.e. not
+    coarsened), and no known plan (the warm start) beats the lower bound the solver proved.
+    """
+    stats: dict[str, Any] = {}
+    regions = None
+    # HiGHS presolve (1.15) returns wrong optima on this model even when it is well scaled
+    # (a 7-node DAG: 10.75 s "optimal" against 6.75 s): it stays off.
+    for presolve in (False,):
+        regions, stats = _solve_any(problem, budget, backend, time_limit, gap, start, presolve)
+        if regions is None:
+            return None, stats
+        problems = []
+        if exact:
+            actual = recompute_time(problem, regions)
+            if abs(actual - stats["objective"]) > 1e-6 * max(1e-9, problem.total_time):
+                problems.append(f"objective {stats['objective']:.9g} s but the plan recomputes {actual:.9g} s")
+        if start is not None and "bound" in stats:
+            known = recompute_time(problem, start)
+            if known < stats["bound"] - 1e-6 * max(1e-9, problem.total_time):
+                problems.append(f"the warm start ({known:.9g} s) beats the proven bound {stats['bound']:.9g} s")
+        if not problems:
+            return regions, stats
+        stats = {**stats, "optimal": False, "check_failed": "; ".join(problems)}
+        if stats.get("backend") != "highs":
+            break  # CBC has no presolve switch here: report the failed check
+    return regions, stats
+
+
+def _selective(problem: Problem, budget_bytes: int, result: SolverResult) -> SolverResult:
+    from ..heuristics.selective import block_regions, with_saved
+
+    return with_saved(problem, budget_bytes, result, [block_regions(problem)])
+
+
+@register("ilp")
+def ilp(
+    problem: Problem,
+    budget_bytes: int | None = None,
+    *,
+    backend: str = "auto",
+    time_limit: float | None = 20.0,
+    gap: float = 0.0,
+    max_nodes: int = 96,
+    max_retries: int = 6,
+    warm_start: bool = True,
+    fallback: bool = True,
+    selective: bool = True,
+) -> SolverResult:
+    """Least recompute time over flat region plans (exact when the graph is not coarsened).
+
+    `backend`: 'auto' (HiGHS when highspy is installed, else CBC), 'highs' or 'cbc'; a failing
+    backend is retried with the other one. `time_limit` bounds the whole call (every MILP solve
+    it makes), in seconds. When every backend fails, the best plan of uniform, greedy and dp is
+    returned (`fallback=False`: ILPSolveError is raised instead).
+
+    stats: `optimal` (the MILP was solved to within `gap`), `gap` (the solver's proven relative gap),
+    `exact` (not coarsened: the MILP is the simulator's model), `check_failed` (the solver's answer
+    disagreed with the cost model, see `_checked_solve`), `backend_failures` (failures retried with
+    the other backend), `ilp_fallback` (why the plan comes from another solver, named in
+    `fallback_solver`). With `selective`, the plan found and one
+    region per block are also tried with saved ops inside their regions (`selective.with_saved`).
+    """
+    _backends(backend)  # an unknown or missing backend is the caller's error, never a fallback
+    try:
+        return _ilp(problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start, selective)
+    except ILPSolveError as e:
+        if not fallback:
+            raise
+        reason = str(e)
+    from ..registry import get_solver  # the portfolio runs through the registry (auto registers itself there)
+
+    result = get_solver("auto")(problem, budget_bytes, solvers=FALLBACK_SOLVERS)
+    stats = {**result.stats, "ilp_fallback": reason, "fallback_solver": result.stats.get("chosen")}
+    return SolverResult(regions=result.regions, stats=stats)
+
+
+FALLBACK_SOLVERS = ("uniform", "greedy", "dp")
+"""What `ilp` falls back to when every MILP backend fails."""
+
+
+def _ilp(
+    problem: Problem,
+    budget_bytes: int | None,
+    backend: str,
+    time_limit: float | None,
+    gap: float,
+    max_nodes: int,
+    max_retries: int,
+    warm_start: bool,
+    selective: bool = True,
+) -> SolverResult:
+    n = problem.n
+    if n == 0:
+        return SolverResult(regions=(), stats={"nodes": 0, "coarse_nodes": 0})
+    coarse, groups = coarsen(problem, max_nodes)
+    exact = coarse.n == n
+    stats: dict[str, Any] = {"nodes": n, "coarse_nodes": coarse.n, "exact": exact}
+
+    def lift(regions):
+        return tuple((groups[s][0], groups[e][1]) for s, e in regions)
+
+    base = simulate(problem, ())
+    if budget_bytes is None or base.peak_bytes <= budget_bytes:
+        return SolverResult(regions=(), stats={**stats, "min_peak_bytes": base.peak_bytes})
+    t0 = time.perf_counter()
+
+    def left() -> float | None:
+        return None if time_limit is None else max(0.5, time_limit - (time.perf_counter() - t0))
+
+    target, best_low = budget_bytes, None
+    lowest = None  # the coarse plan of least peak, from the peak-minimizing MILP (solved once, when needed)
+    for attempt in range(max_retries + 1):
+        logger.info(
+            "ilp: MILP attempt %d on %d nodes, target %.1f MB, %s s left",
+            attempt + 1, coarse.n, target / 1e6, "no limit" if left() is None else f"{left():.1f}",
+        )
+        start = None
+        if warm_start:
+            start = _warm_start(coarse, target)
+            if start is None and lowest is None:
+                # No heuristic fits: the least-peak plan is the start. With it (and the one remembered
+                # from earlier calls), a budget the solver named as its smallest is met again on the
+                # next call, however far a time-limited MILP gets.
+                lowest = _lowest_peak_plan(coarse, backend, left(), gap)
+            if start is None and lowest[1] is not None and lowest[0] <= target:
+                start = lowest[1]
+        regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact)
+        stats.update(info)
+        if start is not None:
+            if regions is None or recompute_time(coarse, start) < recompute_time(coarse, regions):
+                stats["from_warm_start"] = True  # the solver stopped before matching its start
+                regions = start
+        if regions is None:
+            break
+        regions = lift(regions)
+        peak = simulate(problem, regions).peak_bytes
+        logger.info("ilp: attempt %d gives peak %.1f MB (budget %.1f MB)", attempt + 1, peak / 1e6, budget_bytes / 1e6)
+        if peak <= budget_bytes:
+            result = SolverResult(regions=regions, stats={**stats, "retries": attempt, "min_peak_bytes": peak})
+            return _selective(problem, budget_bytes, result) if selective else result
+        best_low = (peak, regions) if best_low is None or peak < best_low[0] else best_low
+        target -= peak - budget_bytes
+    # Nothing fits on the coarse graph. One region per block, on the fine graph, may: coarsening merges
+    # nodes across the blocks' bounds (GPT-2 at per-layer checkpointing's own peak: 21.6 MB at least
+    # coarsened, 20.4 MB for the blocks).
+    from ..heuristics.selective import block_regions
+
+    blocks = block_regions(problem)
+    if blocks:
+        peak = simulate(problem, blocks).peak_bytes
+        if peak <= budget_bytes:
+            result = SolverResult(regions=blocks, stats={**stats, "min_peak_bytes": peak, "from_blocks": True})
+            return _selective(problem, budget_bytes, result) if selective else result
+        best_low = (peak, blocks) if best_low is None or peak < best_low[0] else best_low
+    # Nothing fits: the lowest peak the model reaches.
+    low = lowest[1] if lowest is not None else _solve_any(coarse, None, backend, left(), gap)[0]
+    if low is not None:
+        low = lift(low)
+        peak = simulate(problem, low).peak_bytes
+        if best_low is None or peak < best_low[0]:
+            best_low = (peak, low)
+    if best_low is None:
+        best_low = (base.peak_bytes, ())
+    return SolverResult(regions=best_low[1], stats={**stats, "min_peak_bytes": best_low[0], "infeasible": True})

@@ -1,0 +1,469 @@
+"""Measured choice (planner/choose/autotune.py), the hand-written plans in the race
+(solvers/structured.py) and the cost model's refit from the clock (planner/choose/cost_refit.py).
+
+Measurements are injected (a function of each candidate's regions), so every assertion is about the
+choice rule, the step cap, the records and the store, never about this machine's clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from ckpt_planner import api, optimize
+from ckpt_planner.choose import autotune as at
+from ckpt_planner.choose import cost_refit as costfit
+from ckpt_planner.choose import safety_net
+from ckpt_planner.errors import InputError
+from ckpt_planner.lower import apply as apply_mod
+from ckpt_planner.plan import Plan
+from ckpt_planner.profile.loss import default_loss
+from ckpt_planner.profile.timing_store import TimingStore
+from ckpt_planner.solvers import Node, Problem, Storage, simulate, solve
+from ckpt_planner.solvers.heuristics.selective import block_regions
+from ckpt_planner.solvers.heuristics.structured import every_n_plans, structured, structured_plans
+
+from tests.models.small import mlp
+
+
+def blocks_problem(layers: int = 5, per_block: int = 3) -> Problem:
+    """A chain of `layers` blocks (module paths layers.0 ... ) of `per_block` nodes, each saving its input."""
+    nodes, storages = [], []
+    n = layers * per_block
+    for i in range(n):
+        storages.append(Storage(producer=i, nbytes=100 + 10 * (i % per_block), last_use=min(i + 1, n - 1),
+                                saved_by=(min(i + 1, n - 1),)))
+        nodes.append(Node(name=f"n{i}", time=1.0 + i % per_block, grad_bytes=4, inputs=(i - 1,) if i else (),
+                          reads=(i - 1,) if i else (), module=f"layers.{i // per_block}.op", op="aten.mm.default"
+                          if i % per_block == 0 else "aten.gelu.default", saveable=True))
+    return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=50, step_time_s=100.0)
+
+
+# -- the hand-written plans ------------------------------------------------------------------------------
+
+
+def test_every_n_plans_are_transformers_layers_and_each_without_the_last():
+    problem = blocks_problem(layers=5)
+    blocks = block_regions(problem)
+    assert len(blocks) == 5
+    listed = every_n_plans(problem)
+    plans = {p.name: p.regions for p in listed}
+    assert len({p.regions for p in listed}) == len(listed)  # each plan once (every_5 is every_4 but the last)
+    # transformers checkpoints the layers whose index is a multiple of n
+    for n in range(1, 6):
+        assert tuple(b for k, b in enumerate(blocks) if k % n == 0) in plans.values()
+    assert plans["every_2"] == (blocks[0], blocks[2], blocks[4])
+    assert plans["every_1_but_last"] == blocks[:-1]
+    assert plans["every_2_but_last"] == (blocks[0], blocks[2])  # blocks 0, 2, 4: the last is 4
+    assert "every_3_but_last" not in plans  # blocks 0, 3: the last block is not among them
+
+
+def test_structured_solver_returns_the_fastest_hand_written_plan_that_fits():
+    problem = blocks_problem(layers=5)
+    for frac in (0.3, 0.5, 0.8):
+        base = simulate(problem, ()).peak_bytes
+        budget = int(problem.fixed_bytes + frac * (base - problem.fixed_bytes))
+        fitting = [
+            simulate(problem, p.regions, saved=p.saved).recompute_time
+            for p in structured_plans(problem, budget)
+            if simulate(problem, p.regions, saved=p.saved).peak_bytes <= budget
+        ]
+        result = structured(problem, budget)
+        sim = simulate(problem, result.regions, saved=result.saved)
+        if fitting:
+            assert sim.peak_bytes <= budget and sim.recompute_time == pytest.approx(min(fitting))
+            # auto runs it: auto is never predicted slower than the best hand-written plan
+            assert solve(problem, budget, "auto").recompute_time <= min(fitting) + 1e-12
+
+
+def test_no_blocks_no_hand_written_plans():
+    problem = dataclasses.replace(blocks_problem(), nodes=tuple(
+        dataclasses.replace(n, module="") for n in blocks_problem().nodes))
+    assert structured_plans(problem, 10**9) == [] and structured(problem, 10**9).regions == ()
+
+
+# -- the choice rule, the cap ---------------------------------------------------------------------------
+
+
+def cand(label: str, extra: float, peak: int = 100) -> at.Candidate:
+    return at.Candidate(label, ((0, 1),), (), peak, extra)
+
+
+def m(peak: int, *times: float) -> at.Measured:
+    return at.Measured(peak, tuple(times))
+
+
+def test_fastest_measured_within_the_budget_wins():
+    cands = [cand("solver", 1.0), cand("every_2", 2.0), cand("dp", 3.0)]
+    measured = [m(90, 1.5, 1.6), m(90, 1.1, 1.2), m(90, 1.3, 1.4)]
+    assert at.choose(cands, measured, budget=100, band=0.02) == 1
+
+
+def test_a_candidate_over_the_budget_on_the_clock_loses_even_when_fastest():
+    cands = [cand("solver", 1.0), cand("every_2", 2.0)]
+    measured = [m(100, 1.5), m(101, 1.0)]
+    assert at.choose(cands, measured, budget=100, band=0.02) == 0
+    assert at.choose(cands, [m(101, 1.5), m(101, 1.0)], budget=100, band=0.02) is None
+
+
+def test_a_prediction_inside_the_margin_takes_part_its_measurement_decides():
+    problem = blocks_problem()
+    every_2 = next(p for p in every_n_plans(problem) if p.name == "every_2")
+    budget = simulate(problem, every_2.regions).peak_bytes  # every_2's prediction is exactly the budget
+    inner = budget - 40  # the solvers plan for less: every_2 sits inside the margin
+    solver = at._candidate(problem, "solver", solve(problem, inner, "dp").regions, (), None)
+    picked = at.candidates(problem, solver, budget, inner, limit=100)
+    admit = budget + (budget - inner)  # over the budget by less than the margin takes part too
+    expected = {(p.regions, p.saved) for p in structured_plans(problem, inner)
+                if simulate(problem, p.regions, saved=p.saved).peak_bytes <= admit} - {(solver.regions, solver.saved)}
+    assert picked[0] == solver
+    assert {(c.regions, c.saved) for c in picked[1:]} == expected
+    assert (every_2.regions, ()) in expected
+
+
+def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_applies(tmp_path):
+    problem = blocks_problem(layers=6)
+    every_2 = next(p for p in every_n_plans(problem) if p.name == "every_2")
+    predicted = simulate(problem, every_2.regions).peak_bytes
+    budget = predicted - 10  # every_2 is predicted 10 bytes over the budget ...
+    inner = budget - 40  # ... less than the safety margin
+    solution = solve(problem, inner, "dp")
+    assert tuple(solution.regions) != every_2.regions
+
+    def measure(cands, rounds):  # every plan measures 20 bytes under its prediction; every_2 is fastest
+        return ([m(c.predicted_peak_bytes - 20, *[1.0 if c.regions == every_2.regions else 2.0] * rounds)
+                 for c in cands], [0.5] * rounds)
+
+    result, notes = at.autotune_solution(problem, solution, budget, inner, steps=30, key="k",
+                                         store=TimingStore(tmp_path / "t.json"), measure=measure,
+                                         differs=lambda r, s, m: False, learn=False)
+    assert tuple(result.regions) == every_2.regions and result.peak_bytes > budget
+    assert any("measured at" in n and "within it" in n for n in notes)
+    # Plan.apply takes the measurement too, for exactly the chosen regions and no others
+    plan = dataclasses.make_dataclass("P", ["stats"])(result.stats)
+    assert apply_mod.measured_fit(plan, every_2.regions)
+    assert not apply_mod.measured_fit(plan, every_2.regions[:-1])
+    assert not apply_mod.measured_fit(dataclasses.make_dataclass("P", ["stats"])({}), every_2.regions)
+
+
+def test_ties_within_the_noise_band_go_to_the_predicted_fastest():
+    cands = [cand("slow-predicted", 3.0), cand("fast-predicted", 1.0), cand("mid", 2.0)]
+    measured = [m(90, 1.00), m(90, 1.04), m(90, 1.30)]  # 4 % apart: a tie in a 5 % band
+    assert at.choose(cands, measured, budget=100, band=0.05) == 1
+    assert at.choose(cands, measured, budget=100, band=0.02) == 0  # outside a 2 % band the clock decides
+
+
+def test_noise_band_is_the_rounds_spread_within_its_bounds():
+    quiet = [m(1, 1.0, 1.0, 1.0, 1.0)]
+    noisy = [m(1, 1.0, 2.0, 3.0, 4.0)]
+    assert at.noise_band(quiet, [1.0] * 4) == at.MIN_BAND
+    assert at.noise_band(noisy, [1.0] * 4) == at.MAX_BAND
+    assert at.noise_band(noisy, []) == at.MAX_BAND  # no plain-graph steps: the candidates' own spread
+
+
+def test_noise_band_is_paired_so_a_load_on_the_whole_round_cancels():
+    # every module slowed alike, round by round (another process on the machine): the plans are still
+    # told apart, where the spread of each candidate's steps alone would call everything a tie
+    load = [1.0, 1.6, 1.1, 2.0, 1.3]
+    measured = [m(1, *[1.05 * x for x in load]), m(1, *[1.20 * x for x in load])]
+    assert at.noise_band(measured, load) == at.MIN_BAND
+    assert at.noise_band(measured, []) == at.MAX_BAND
+    assert at.choose([cand("a", 2.0), cand("b", 1.0)], measured, budget=100, band=at.MIN_BAND) == 0
+
+
+@pytest.mark.parametrize("cap", [0, 3, 7, 12, 30, 100])
+def test_steps_never_exceed_the_cap(cap):
+    calls = []
+
+    def measure(cands, rounds):
+        calls.append((len(cands), rounds))
+        return [m(1, *[1.0] * rounds) for _ in cands], [1.0] * rounds
+
+    cands = [cand(f"c{k}", float(k)) for k in range(4)]
+    tuned = at.tune(cands, 10, measure, steps=cap)
+    if calls:
+        n, rounds = calls[0]
+        model_steps = (n + 1) * (rounds + 1)  # a peak (or warm-up) step and one per round, plain graph included
+        assert tuned.record["steps"] == model_steps and model_steps + at.CHECK_STEPS <= cap
+        assert n >= 2 and rounds >= 1
+    else:
+        assert tuned.index is None and "skipped" in tuned.record
+    assert at.schedule(4, 30) == (4, 4)  # the default: 4 candidates, 4 rounds, 25 steps + 2 for the check
+
+
+def test_steps_for_defaults():
+    assert at.steps_for(None, clock=False) == 0
+    assert at.steps_for(True, clock=False) == at.AUTOTUNE_STEPS
+    assert at.steps_for(False, clock=True) == 0
+    assert at.steps_for(12, clock=False) == 12
+    with pytest.raises(InputError, match="autotune"):
+        at.steps_for(-1, clock=True)
+    with pytest.raises(InputError, match="autotune"):
+        at.steps_for("yes", clock=True)  # type: ignore[arg-type]
+
+
+def test_steps_for_default_on_the_clock_unless_the_environment_says_off(monkeypatch):
+    monkeypatch.delenv(at.AUTOTUNE_ENV, raising=False)
+    assert at.steps_for(None, clock=True) == at.AUTOTUNE_STEPS
+    monkeypatch.setenv(at.AUTOTUNE_ENV, "off")
+    assert at.steps_for(None, clock=True) == 0
+
+
+# -- through optimize: the choice, the plan file, the store, the safety net -------------------------------
+
+
+class FakeClock:
+    """Measurements as a function of the regions: the plan with the fewest regions is fastest (as many
+    small regions are on a real CPU); peaks are the predictions. Counts calls and steps."""
+
+    def __init__(self, over: set[str] = frozenset(), slow: set[str] = frozenset()):
+        self.calls = 0
+        self.steps = 0
+        self.over, self.slow = over, slow
+
+    def __call__(self, *args, **kwargs):
+        def measure(cands, rounds):
+            self.calls += 1
+            self.steps += (len(cands) + 1) * (rounds + 1)
+            out = [m(c.predicted_peak_bytes + (10**9 if c.label in self.over else 0),
+                     *[1.0 + 0.1 * len(c.regions) + 10.0 * (c.label in self.slow) + 0.001 * k
+                       for k in range(rounds)]) for c in cands]
+            return out, [1.0] * rounds
+        return measure
+
+
+def _budget(model, inputs):
+    planner = api.Planner(model, inputs)
+    base = planner.no_checkpoint_peak_bytes
+    return planner, int(planner.problem.fixed_bytes + 0.45 * (base - planner.problem.fixed_bytes))
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
+    return tmp_path
+
+
+def test_optimize_takes_the_fastest_on_the_clock_records_it_and_the_next_run_agrees(store_dir, monkeypatch, tmp_path):
+    clock = FakeClock()
+    monkeypatch.setattr(at, "device_measure", clock)
+    model, inputs = mlp()
+    planner, budget = _budget(model, inputs)
+    plan = planner.plan(budget_bytes=budget, autotune=True)
+    rec = plan.stats["autotune"]
+    assert clock.calls == 1 and rec["steps"] <= at.AUTOTUNE_STEPS and not rec["from_store"]
+    cands = rec["candidates"]
+    assert len(cands) >= 2 and sum(c["chosen"] for c in cands) == 1
+    winner = next(c for c in cands if c["chosen"])
+    fastest = min(c["measured_step_s"] for c in cands if c["fits"])
+    assert winner["measured_step_s"] <= fastest * (1 + rec["band"])
+    assert [list(r) for r in plan.spans()] == winner["regions"]
+    assert plan.predicted_peak_bytes == simulate(planner.problem, plan.spans(), saved=plan.saved_indices()).peak_bytes
+    assert "autotune" in plan.summary() and winner["label"] in plan.summary()
+    # every candidate's figures survive the plan file
+    path = plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded.stats["autotune"] == json.loads(json.dumps(rec))
+    assert "autotune" in loaded.summary()
+    # the next run (a fresh optimize) returns the same plan from the store, measuring nothing
+    again = optimize(model, inputs, budget_bytes=budget, autotune=True)
+    assert clock.calls == 1 and again.stats["autotune"]["from_store"]
+    assert again.spans() == plan.spans() and again.saved_indices() == plan.saved_indices()
+    # the chosen module trains exactly like the model
+    out = again.module(*inputs)
+    assert torch.isfinite(out).all()
+
+
+def test_a_candidate_over_the_budget_on_the_clock_is_not_chosen(store_dir, monkeypatch):
+    model, inputs = mlp()
+    planner, budget = _budget(model, inputs)
+    first = FakeClock()
+    monkeypatch.setattr(at, "device_measure", first)
+    tuned = planner.plan(budget_bytes=budget, autotune=True).stats["autotune"]
+    winner = tuned["chosen"]
+    assert winner is not None
+    # a fresh store; the same race with the winner measured over the budget
+    monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(store_dir / "second"))
+    monkeypatch.setattr(at, "device_measure", FakeClock(over={winner}))
+    again = planner.plan(budget_bytes=budget, autotune=True).stats["autotune"]
+    assert again["chosen"] != winner
+    assert all(c["fits"] or not c["chosen"] for c in again["candidates"])
+
+
+def test_a_winner_whose_step_differs_from_the_models_is_not_returned(store_dir, monkeypatch):
+    monkeypatch.setattr(at, "device_measure", FakeClock(slow={"auto plan"}))  # the solver's plan loses
+    model, inputs = mlp()
+    planner, budget = _budget(model, inputs)
+    solver_plan = planner.plan(budget_bytes=budget, autotune=False)
+    calls = []
+
+    def differences(*args, **kwargs):  # the solver's plan passes the safety net; any later plan differs
+        calls.append(1)
+        return [] if len(calls) == 1 else ["gradients differ"]
+
+    monkeypatch.setattr(safety_net, "step_differences", differences)
+    monkeypatch.setattr(at, "step_differences", differences)
+    plan = planner.plan(budget_bytes=budget, autotune=True)
+    rec = plan.stats["autotune"]
+    assert len(calls) == 2  # the race was won by another plan, which the safety net then refused
+    assert rec["chosen"] == rec["candidates"][0]["label"] and rec["candidates"][0]["chosen"]
+    assert plan.spans() == solver_plan.spans() and any("differs" in n for n in plan.notes)
+
+
+class ModulesFastest(FakeClock):
+    """The hand-written plans that run as the model's own code measure fastest."""
+
+    def __call__(self, *args, **kwargs):
+        def measure(cands, rounds):
+            self.calls += 1
+            return [m(c.predicted_peak_bytes, *[(0.5 if c.modules else 1.0) + 0.001 * k for k in range(rounds)])
+                    for c in cands], [0.4] * rounds
+        return measure
+
+
+def test_a_whole_module_plan_runs_as_the_models_own_code_exactly_and_leaves_the_model_alone(store_dir, monkeypatch):
+    from ckpt_planner.errors import ShapeError
+    from ckpt_planner.lower.apply import checkpointed_modules
+
+    from tests.models.small import tiny_gpt
+
+    monkeypatch.setattr(at, "device_measure", ModulesFastest())
+    model, inputs = tiny_gpt()  # dropout in every block: the recompute must replay the generator
+    planner = api.Planner(model, inputs)
+    every_1 = next(p for p in every_n_plans(planner.problem) if p.name == "every_1")
+    budget = simulate(planner.problem, every_1.regions).peak_bytes + 4096
+    plan = planner.plan(budget_bytes=budget, autotune=True)
+    rec = plan.stats["autotune"]
+    assert rec["chosen"].endswith("(modules)"), rec["chosen"]
+    paths = plan.stats[at.WHOLE_MODULES]
+    assert paths and all(p.startswith("blocks.") for p in paths)
+    assert not isinstance(plan.module, torch.fx.GraphModule) and plan.graph_overhead_s == 0.0
+    assert any("model's own code" in n for n in plan.notes)
+    # the model's own objects, its keys, and nothing of the model changed
+    assert list(plan.module.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(plan.module.parameters(), model.parameters()))
+    assert checkpointed_modules(model) == () and set(checkpointed_modules(plan.module)) == set(paths)
+    # one training step of each from the same generator state: the same loss and bitwise the same grads
+    grads = []
+    for module in (model, plan.module):
+        for q in model.parameters():
+            q.grad = None
+        torch.manual_seed(7)
+        default_loss(module(*inputs)).backward()
+        grads.append([q.grad.clone() for q in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # a larger batch than planned is refused, as the graph's plan does
+    with pytest.raises(ShapeError):
+        plan.module(*[torch.cat([t, t]) for t in inputs])
+    # the next run takes the same lowering from the store
+    again = api.Planner(model, inputs).plan(budget_bytes=budget, autotune=True)
+    assert again.stats["autotune"]["from_store"] and again.stats[at.WHOLE_MODULES] == paths
+
+
+def test_autotune_false_and_meta_measure_nothing(store_dir, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(at, "device_measure", clock)
+    model, inputs = mlp()
+    planner, budget = _budget(model, inputs)
+    plan = planner.plan(budget_bytes=budget, autotune=False)
+    assert "autotune" not in plan.stats and clock.calls == 0
+    plan = planner.plan(budget_bytes=budget)  # the default on FLOP times: off
+    assert "autotune" not in plan.stats and clock.calls == 0
+    meta = optimize(model, inputs, budget_bytes=budget, device="meta", autotune=True)
+    assert "autotune" not in meta.stats and clock.calls == 0
+
+
+def test_old_plan_files_without_autotune_load(tmp_path):
+    model, inputs = mlp()
+    plan = optimize(model, inputs, activation_budget=0.5, autotune=False)
+    data = plan.to_dict()
+    data["stats"].pop("autotune", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert "autotune" not in Plan.load(path).stats and Plan.load(path).summary()
+
+
+# -- the cost model's refit ------------------------------------------------------------------------------
+
+
+def _rows(scale: float, per_region: float, call: float = 1e-4) -> list[list[float]]:
+    rows = []
+    for x, k, step in [(0.01, 2, 0.2), (0.02, 8, 0.2), (0.005, 1, 0.1), (0.03, 13, 0.4), (0.015, 4, 0.3)]:
+        rows.append([x, k, scale * x + per_region * k, 1 / step, call])
+    return rows
+
+
+def test_refit_recovers_scale_and_per_region_cost():
+    found = costfit.fit(_rows(1.7, 3e-4))
+    assert found.scale == pytest.approx(1.7) and found.per_region_s == pytest.approx(3e-4)
+    assert costfit.fit(_rows(1.7, 3e-4)[:2]) is None  # too few rows
+
+
+def test_refit_with_one_region_count_fits_the_scale_alone():
+    rows = [[x, 3.0, 2.0 * x + 3 * 1e-4, 1.0, 1e-4] for x in (0.01, 0.02, 0.04)]
+    found = costfit.fit(rows)
+    assert found.scale == pytest.approx(2.0) and found.per_region_s == pytest.approx(1e-4)
+
+
+def test_refit_applies_to_the_next_solve_and_does_not_feed_on_itself(tmp_path):
+    store = TimingStore(tmp_path / "t.json")
+    store.keep(costfit.TABLE, costfit.KEY, {"rows": _rows(2.0, 5.0)})
+    problem = dataclasses.replace(blocks_problem(), region_overhead_s=1.0)
+    refit, found = costfit.learned(problem, store)
+    assert found.scale == pytest.approx(2.0) and refit.region_overhead_s == pytest.approx(5.0)
+    plan = block_regions(problem)[:2]
+    raw = simulate(problem, plan).recompute_time - 2 * problem.region_overhead_s
+    new = simulate(refit, plan).recompute_time
+    assert new == pytest.approx(2.0 * raw + 2 * 5.0)
+    # a record measured on the refit problem gives rows in the raw terms
+    record = {"graph_step_s": 100.0, "candidates": [
+        {"regions": [list(r) for r in plan], "predicted_extra_s": new, "measured_extra_s": new}]}
+    (row,) = costfit.rows_of(refit, record)
+    assert row[0] == pytest.approx(raw) and row[1] == 2 and row[4] == pytest.approx(1.0)
+
+
+def test_remember_keeps_the_last_rows_in_the_store(tmp_path):
+    path = tmp_path / "t.json"
+    problem = blocks_problem()
+    record = {"graph_step_s": 10.0, "candidates": [
+        {"regions": [[0, 2]], "predicted_extra_s": 1.0, "measured_extra_s": 1.5} for _ in range(40)]}
+    store = TimingStore(path)
+    costfit.remember(store, problem, record)
+    costfit.remember(store, problem, record)
+    rows = TimingStore(path).get(costfit.TABLE, costfit.KEY)["rows"]
+    assert len(rows) == costfit.MAX_ROWS
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
+    problem = blocks_problem(layers=5)
+    base = simulate(problem, ()).peak_bytes
+    budget = int(problem.fixed_bytes + 0.6 * (base - problem.fixed_bytes))
+    solution = solve(problem, budget, "dp")
+    store = TimingStore(tmp_path / "t.json")
+
+    def measure(cands, rounds):
+        # noise of each candidate's own (the plain graph's steps stay put), so the paired band sees it
+        spread = (lambda k: 1.0 + k) if noisy else (lambda k: 1.0)
+        return ([m(c.predicted_peak_bytes, *[(100 + 2 * c.predicted_extra_s) * spread(k) for k in range(rounds)])
+                 for c in cands], [100.0] * rounds)
+
+    result, _ = at.autotune_solution(problem, solution, budget, budget, steps=30, key="k", store=store,
+                                     measure=measure, differs=lambda r, s, m: False)
+    rec = result.stats["autotune"]
+    assert len(rec["candidates"]) >= 2 and rec["band"] == (at.MAX_BAND if noisy else at.MIN_BAND)
+    rows = (TimingStore(tmp_path / "t.json").get(costfit.TABLE, costfit.KEY) or {}).get("rows", [])
+    assert (rows == []) == noisy
+    if not noisy:  # every row says: measured extra = 2 x predicted
+        assert all(r[2] == pytest.approx(2 * r[0] + r[1] * r[4]) for r in rows)
+
+
+def test_cli_autotune_flags():
+    from ckpt_planner.cli.cli_args import build_parser
+
+    base = ["plan", "m.py:f", "--input", "2x3", "--budget-gb", "1"]
+    parser = build_parser()
+    assert parser.parse_args(base).autotune is None  # the library's default decides
+    assert parser.parse_args([*base, "--autotune"]).autotune is True
+    assert parser.parse_args([*base, "--no-autotune"]).autotune is False
