@@ -54,8 +54,9 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's memory meter, w
 import ckpt_planner.solvers as solvers  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from ckpt_planner.api import Planner, plan_from_solution  # noqa: E402
+from ckpt_planner.api import Planner  # noqa: E402
 from ckpt_planner.capture.trace import capture, normalize_inputs  # noqa: E402
+from ckpt_planner.choose.assemble import plan_from_solution  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
 from ckpt_planner.profile.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402

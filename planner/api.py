@@ -123,7 +123,8 @@ class Planner(BasePlanner):
 
     def __init__(self, model: Any, example_inputs: Any = None, *, setup: Setup | None = None,
                  feasible_for: PlanRequest | Mapping[str, Any] | None = None, **keywords: Any) -> None:
-        if "exact_check" in keywords:  # check_step's former name
+        if "exact_check" in keywords:
+            warnings.warn("Planner: exact_check is now check_step", DeprecationWarning, stacklevel=2)
             keywords["check_step"] = keywords.pop("exact_check")
         setup = setup or Setup.of(**keywords)
         if isinstance(feasible_for, Mapping):
@@ -148,9 +149,9 @@ class Planner(BasePlanner):
             if not setup.exactness.exact:  # token-wise groups run in chunks (lower/chunk.py)
                 cap, chunks = chunk_capture(cap)
             logger.info("capture: %s, %d graph nodes", cap.method, len(cap.graph_module.graph.nodes))
-            check = feasible_for and (lambda cost: check_feasible(
+            check = None if feasible_for is None else (lambda cost: check_feasible(
                 profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes), feasible_for))
-            cost = profile_for_planning(model, cap, setup.profile or ProfileConfig(), check or None)
+            cost = profile_for_planning(model, cap, setup.profile or ProfileConfig(), check)
         values = ValueGuard(frozen_values(model, cap.graph_module, cap.method))
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)
