@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -314,7 +315,8 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # three fresh processes (about 40 s); test_steady.py checks the stored plan in the default run
 def test_first_and_second_run_give_the_same_plan(tmp_path):
-    env = {**os.environ, "CKPT_PLANNER_TIMINGS": str(tmp_path / "store")}
+    repo = Path(__file__).resolve().parents[2]  # the script imports the test models (tests.models)
+    env = {**os.environ, "CKPT_PLANNER_TIMINGS": str(tmp_path / "store"), "PYTHONPATH": str(repo)}
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(_RUN))
 
