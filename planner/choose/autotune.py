@@ -432,11 +432,14 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
         found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs)
         return None if found is None else bool(found)
 
+    def modules(regions):
+        return whole_module_spans(p.problem, model, regions)
+
     measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build)
-    modules = whole_modules_allowed(p) and (lambda r: whole_module_spans(p.problem, model, r))
     with ModelState(model).preserved():
         return autotune_solution(
             p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=p.store(),
             key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
-            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted", modules=modules,
+            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted",
+            modules=modules if whole_modules_allowed(p) else None,
         )

@@ -467,3 +467,16 @@ def test_cli_autotune_flags():
     assert parser.parse_args(base).autotune is None  # the library's default decides
     assert parser.parse_args([*base, "--autotune"]).autotune is True
     assert parser.parse_args([*base, "--no-autotune"]).autotune is False
+
+
+def test_an_eval_mode_model_races_without_its_own_code(store_dir, monkeypatch):
+    """Where the model's own code differs from the planned step (eval mode here), no candidate races as that
+    code: every plan in the race is the captured graph (this once crashed: `modules` was False, not None)."""
+    monkeypatch.setattr(at, "device_measure", FakeClock())
+    model, inputs = mlp()
+    model.eval()
+    planner, budget = _budget(model, inputs)
+    plan = planner.plan(budget_bytes=budget, autotune=True)
+    cands = plan.stats["autotune"]["candidates"]
+    assert len(cands) >= 2 and not any("(modules)" in c["label"] for c in cands)
+    assert plan.predicted_peak_bytes <= budget and not model.training
