@@ -133,8 +133,8 @@ class Planner(BasePlanner):
         model, example_inputs, exported = accept_exported(model, example_inputs)
         if exported and setup.capture_method == "auto":
             setup = dataclasses.replace(setup, capture_method="export")
-        if setup.meta:
-            setup = dataclasses.replace(setup, profile=dataclasses.replace(setup.profile or ProfileConfig(), meta=True))
+        profile_config = setup.profile or ProfileConfig()  # the one place the default profile is made
+        setup = dataclasses.replace(setup, profile=dataclasses.replace(profile_config, meta=True) if setup.meta else profile_config)
         self.model, self.setup = model, setup
         self.autotune: bool | int | None = None
         """`plan(autotune=None)` takes this (None: on where times are on the clock); compiled plans set False."""
@@ -151,7 +151,7 @@ class Planner(BasePlanner):
             logger.info("capture: %s, %d graph nodes", cap.method, len(cap.graph_module.graph.nodes))
             check = None if feasible_for is None else (lambda cost: check_feasible(
                 profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes), feasible_for))
-            cost = profile_for_planning(model, cap, setup.profile or ProfileConfig(), check)
+            cost = profile_for_planning(model, cap, setup.profile, check)
         values = ValueGuard(frozen_values(model, cap.graph_module, cap.method))
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)

@@ -88,7 +88,7 @@ class Budget:
         return int(fixed_bytes + self.activation_fraction * (as_given_peak_bytes - fixed_bytes))
 
     def keywords(self) -> dict[str, Any]:
-        """As `optimize()`'s keywords (for the plan file and messages)."""
+        """As `optimize()`'s budget keywords (PlanRequest.keywords reads them)."""
         return dict(budget_gb=self.gb, budget_bytes=self.nbytes, activation_budget=self.activation_fraction,
                     safety_margin=self.safety_margin)
 

@@ -247,7 +247,7 @@ class PartialPlanner(BasePlanner):
         solution, notes = solve_partial(self.problem, budget, cfg.solver, dict(cfg.options), request.budget.safety_margin)
         replan = None
         if self.replan is not None:
-            again = request.replace(on_larger_shape="error")
+            again = request.replace(on_larger_shape="error", autotune=None)  # as Planner replans
 
             def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
                 return self.replan(args, kwargs, again)

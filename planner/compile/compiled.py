@@ -182,9 +182,8 @@ class CompiledPlanner(BasePlanner):
     def plan_for(self, request: PlanRequest) -> Plan:
         """A compiled plan whose measured peak is within the budget, lowered as `self.lowering` says; "best"
         lowers it both ways and keeps the faster one that fits."""
-        keywords = request.keywords()
-        budgets = {k: keywords.pop(k) for k in ("budget_gb", "budget_bytes", "activation_budget")}
-        plan_args = keywords
+        plan_args = request.keywords()  # what the Planner's plan() takes, the budget apart
+        budgets = {k: plan_args.pop(k) for k in ("budget_gb", "budget_bytes", "activation_budget")}
         knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
         if self.lowering == "regions" or (self.lowering == "best" and not knapsack_ok):
             return self._plan_regions(**budgets, **plan_args)
