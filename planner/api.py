@@ -24,7 +24,7 @@ from .capture.trace import capture
 from .choose.assemble import plan_record
 from .choose.autotune import WHOLE_MODULES, autotuned, steps_for
 from .choose.base import BasePlanner
-from .choose.budget import check_feasible
+from .choose.budget import check_feasible, plain_step_fits
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
@@ -37,6 +37,7 @@ from .lower.chunk import ChunkSpec, chunk_capture
 from .model_state import ModelState
 from .plan import Plan
 from .profile.bytes_pass import profile_for_planning
+from .profile.graph import CostGraph
 from .profile.profiler import ProfileConfig
 from .progress import logger, progress_enabled, stage
 from .settings import PlanRequest, Setup
@@ -149,9 +150,18 @@ class Planner(BasePlanner):
             if not setup.exactness.exact:  # token-wise groups run in chunks (lower/chunk.py)
                 cap, chunks = chunk_capture(cap)
             logger.info("capture: %s, %d graph nodes", cap.method, len(cap.graph_module.graph.nodes))
-            check = None if feasible_for is None else (lambda cost: check_feasible(
-                profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes), feasible_for))
-            cost = profile_for_planning(model, cap, setup.profile, check)
+
+            def judged(cost: CostGraph) -> Profiled:
+                return profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)
+
+            def check(cost: CostGraph) -> None:  # no plan meets the budget: refused before any timing
+                check_feasible(judged(cost), feasible_for)
+
+            def fits(cost: CostGraph) -> bool:  # else the plain step is never run (a stage-wise profile)
+                return plain_step_fits(judged(cost), feasible_for)
+
+            budgeted = feasible_for is not None
+            cost = profile_for_planning(model, cap, setup.profile, check if budgeted else None, fits if budgeted else None)
         values = ValueGuard(frozen_values(model, cap.graph_module, cap.method))
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)

@@ -418,7 +418,9 @@ class Plan:
         from .solvers.simulate import normalize_regions, simulate
 
         with ModelState(model).preserved():
-            cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True))
+            # profiled as the plan was: a stage at a time (bounded memory) or the step whole
+            by_stage = self.stats.get("profile") == "stages"
+            cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage))
         problem = cost.to_problem(name=type(model).__name__)
         dist = self.stats.get("sharding") if isinstance(self.stats.get("sharding"), dict) else {}
         problem, _ = shard_problem(

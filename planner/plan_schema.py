@@ -183,6 +183,7 @@ _STATS = _obj({
     "sharding": _obj({"world_size": _int(1, 1 << 24), "sharding": _str(100, null=True)}),
     "no_checkpoint_peak_bytes": _BYTES,
     "own_checkpointing": _any,
+    "profile": _str(100),
     "compiled": _obj({"lowering": _str(100), "knapsack": _obj({
         "estimated_recompute_s": _SECONDS, "candidates": _int(0, MAX_NODES), "kept_saved": _int(0, MAX_NODES),
         "saved_bytes": _num(0, MAX_BYTES), "candidate_bytes": _num(0, MAX_BYTES)})}),

@@ -35,6 +35,8 @@ def plan_record(p: Profiled, solution: Solution, notes: list[str], request: Plan
     dist = p.setup.distributed
     if dist.sharding:
         plan.stats["sharding"] = {"world_size": dist.world_size, "sharding": dist.sharding}
+    if p.cost.stages:  # its figures are re-checked the same way (Plan.check_figures)
+        plan.stats["profile"] = "stages"
     if not p.exact:
         plan.stats["exact"] = False
         plan.stats["chunks"] = [c.to_dict() for c in p.chunks]

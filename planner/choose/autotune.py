@@ -49,7 +49,7 @@ from .budget import inner_budget
 from .cost_refit import remember
 from .plan_store import plan_key
 from .profiled import Profiled, whole_modules_allowed
-from .safety_net import step_differences
+from .safety_net import reference_module, step_differences
 from .solve import finish
 
 __all__ = [
@@ -297,10 +297,12 @@ def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tup
 
 def device_measure(
     model: torch.nn.Module, graph: torch.fx.GraphModule, args: tuple, kwargs: dict, device: torch.device,
-    build: Callable[[tuple, tuple, tuple], torch.nn.Module],
+    build: Callable[[tuple, tuple, tuple], torch.nn.Module], baseline: tuple | None = (),
 ) -> Measure:
     """The measurement on the device: `build(regions, saved, modules)` gives a candidate's module (the
-    rewriter, or the model with whole `modules` checkpointed);
+    rewriter, or the model with whole `modules` checkpointed); each round also times the `baseline`
+    plan's step (the plain graph, or the step checkpointed per block where the plain step was never run;
+    None: no baseline, where that step would not fit the budget either);
     its peak is one step on the allocator meter, its times those of interleaved timed steps. The
     caller restores the model's state (gradients, buffers, RNG)."""
     params = list(model.parameters())
@@ -324,16 +326,18 @@ def device_measure(
 
     def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
         modules = [build(c.regions, c.saved, c.modules) for c in cands]
-        plain = build((), (), ())
         peaks = [peak(m) for m in modules]
-        step(plain)  # warm-up
+        everyone = [*modules]
+        if baseline is not None:
+            everyone.insert(0, build(tuple(baseline), (), ()))
+            step(everyone[0])  # warm-up
+        first = 0 if baseline is None else 1  # index of the first candidate in `everyone`
         times: list[list[float]] = [[] for _ in modules]
         base: list[float] = []
-        everyone = [plain, *modules]
         for r in range(rounds):
             for k in [(r + j) % len(everyone) for j in range(len(everyone))]:  # the order rotates per round
                 t = timed(everyone[k])
-                (base if k == 0 else times[k - 1]).append(t)
+                (base if k < first else times[k - first]).append(t)
         for p in params:
             p.grad = None
         return [Measured(p, tuple(t)) for p, t in zip(peaks, times)], base
@@ -426,20 +430,26 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
     def build(regions, saved, paths) -> torch.nn.Module:
         return checkpointed_copy(model, paths) if paths else rewrite(gm, regions, model=model, saved=saved)
 
+    reference = reference_module(p)
+
     def differs(regions, saved, paths) -> bool | None:
         if not p.check:
             return False
-        found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs)
+        found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs, reference=reference)
         return None if found is None else bool(found)
 
     def modules(regions):
         return whole_module_spans(p.problem, model, regions)
 
-    measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build)
+    # Rounds are paired with the plain graph's step; where profiling never ran it, with the step
+    # checkpointed per block if that fits the budget (else unpaired), and they teach the refit nothing.
+    reference = p.reference_regions
+    baseline = reference if not reference or p.reference_fits(budget) else None
+    measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build, baseline=baseline)
     with ModelState(model).preserved():
         return autotune_solution(
             p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=p.store(),
             key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
-            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted",
+            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not reference,
             modules=modules if whole_modules_allowed(p) else None,
         )

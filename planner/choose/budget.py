@@ -19,6 +19,7 @@ more than the peak of the step as given (which fits with no plan).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,11 +28,11 @@ from ..settings import PlanRequest
 from ..solvers.problem import Problem
 from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
 from ..solvers.simulate import simulate
-from .profiled import Profiled
+from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
 __all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail", "floor_of", "refuse",
-           "check_feasible"]
+           "check_feasible", "plain_step_fits", "refuse_unplannable"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -144,6 +145,8 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     fixed = problem.fixed_bytes
     floor_peak, _ = floor_of(p, cfg.solver, dict(cfg.options), keep)
     as_is = given_peak if keep else min(plain_peak, given_peak)
+    if p.cost.stages:
+        refuse_unplannable(p, budget, cfg.solver, min(as_is, smallest_budget(floor_peak, fixed, margin)))
     if floor_peak > inner_budget(budget, fixed, margin) and as_is > budget:
         smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
         detail = ""
@@ -162,3 +165,26 @@ def check_feasible(p: Profiled, request: PlanRequest) -> None:
     if budget is None or request.solve.solver not in SOLVERS:
         return
     refuse(p, budget, request)
+
+
+def plain_step_fits(p: Profiled, request: PlanRequest) -> bool:
+    """Whether the step with no checkpointing fits the request's budget, on bytes (no budget: it does)."""
+    budget = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes)
+    return budget is None or p.no_checkpoint_peak_bytes <= budget
+
+
+def refuse_unplannable(p: Profiled, budget: int, solver: str, smallest: int) -> None:
+    """Where the plain step was never run (a stage-wise profile), the safety net still runs the step
+    checkpointed per block: the reference a plan's step is checked against. With the check on, a budget
+    that step's predicted peak exceeds by more than REFERENCE_TOLERANCE is refused, naming the least
+    budget planning needs (never an out-of-memory error mid-plan). Without it, profiling needs one
+    stage's step, which the floor plan's own bound covers."""
+    if not p.check or not p.cost.stages or p.reference_fits(budget):
+        return
+    need = simulate(p.problem, p.reference_regions).peak_bytes
+    least = math.ceil(need / (1 + REFERENCE_TOLERANCE))
+    what = "the step checkpointed per block" if p.reference_regions else "the model's own step"
+    detail = (f"; checking the plan runs {what} (predicted {need / 1e6:.1f} MB: the reference the plan's step is "
+              "compared with), so it needs at least that; pass check_step=False to plan below it unchecked, "
+              "or plan on device='meta'")
+    raise InfeasibleBudgetError(budget, max(least, smallest), solver, p.problem.fixed_bytes, detail=detail)

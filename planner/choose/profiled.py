@@ -24,9 +24,9 @@ from ..settings import Setup
 from ..solvers.problem import Problem
 from ..solvers.simulate import simulate
 from .cost_refit import learned
-from .regions import laminar
+from .regions import laminar, per_block_regions
 
-__all__ = ["Profiled", "profiled", "EVAL_NOTE"]
+__all__ = ["Profiled", "profiled", "EVAL_NOTE", "REFERENCE_TOLERANCE"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -34,6 +34,11 @@ EVAL_NOTE = (
     "the model was in eval mode: planned for its training step (train mode: dropout on, BatchNorm on batch "
     "statistics), which plan.module runs in train mode; in eval mode plan.module runs the model as given"
 )
+
+
+REFERENCE_TOLERANCE = 0.05
+"""How far the reference step's predicted peak may exceed the budget: the simulator's error on whole
+steps (it errs high: per-block steps are predicted up to about 3 % over their measured peak)."""
 
 
 @dataclass(eq=False)
@@ -57,6 +62,7 @@ class Profiled:
     values: ValueGuard | None = None
     """Python values the graph holds as constants, checked before each training call of plan.module."""
     floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
+    _reference: Regions | None = None
 
     @property
     def profile_config(self) -> ProfileConfig:
@@ -91,6 +97,22 @@ class Profiled:
     def no_checkpoint_peak_bytes(self) -> int:
         """Predicted peak of one step with no checkpointing at all."""
         return simulate(self.problem, ()).peak_bytes
+
+    @property
+    def reference_regions(self) -> Regions:
+        """The step a plan's is checked and raced against: the plain step (no region) where profiling ran
+        it; the step checkpointed per block where the plain step was never run (a stage-wise profile,
+        `cost.stages`), so that nothing after profiling needs more memory than the budget either."""
+        if self._reference is None:
+            blocks = per_block_regions(self.problem, self.capture.graph_module) if self.cost.stages else ()
+            # where checkpointing per block saves nothing (a head-heavy graph), the plain step is the reference
+            smaller = blocks and simulate(self.problem, blocks).peak_bytes < self.no_checkpoint_peak_bytes
+            self._reference = blocks if smaller else ()
+        return self._reference
+
+    def reference_fits(self, budget: int) -> bool:
+        """Whether the reference step is predicted within `budget` (bytes), to the simulator's tolerance."""
+        return simulate(self.problem, self.reference_regions).peak_bytes <= budget * (1 + REFERENCE_TOLERANCE)
 
     def store(self) -> TimingStore:
         """The device's timing store (plans kept, autotune choices, the cost refit)."""

@@ -9,7 +9,7 @@ from ..lower.rewrite import safe_regions
 from ..solvers.problem import Problem, Solution
 from ..solvers.simulate import normalize_regions, simulate
 
-__all__ = ["Regions", "with_regions", "laminar", "merge_own", "kept_saved", "finish_regions"]
+__all__ = ["Regions", "with_regions", "laminar", "merge_own", "kept_saved", "finish_regions", "per_block_regions"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -68,3 +68,15 @@ def finish_regions(problem: Problem, graph_module, regions, own: Regions = ()) -
             break
         regions = safe
     return normalize_regions(problem, safe), notes
+
+
+def per_block_regions(problem: Problem, graph_module) -> Regions:
+    """The step checkpointed per block (one region per numbered block, else about sqrt(n) even runs),
+    finished as every plan is: where the plain step was never run, what a plan's step is compared and
+    raced with (its recompute is the model's own forward, so its step equals the plain step's)."""
+    from ..solvers.costs import trim_flat_regions
+    from ..solvers.heuristics.basic import uniform
+    from ..solvers.heuristics.selective import block_regions
+
+    regions = block_regions(problem) or trim_flat_regions(problem, uniform(problem).regions)
+    return finish_regions(problem, graph_module, regions)[0]

@@ -11,6 +11,7 @@ regions that differ on their own, so that the planner can forbid them and solve 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,12 +28,23 @@ from ..solvers.registry import InfeasibleBudgetError
 from .profiled import Profiled
 from .solve import solve_budget
 
-__all__ = ["step_differences", "inexact_parts", "checked"]
+__all__ = ["step_differences", "inexact_parts", "reference_module", "checked"]
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None, bitwise: bool) -> bool:
+def _digest(t: torch.Tensor) -> tuple:
+    """A tensor's shape, dtype and bytes, hashed: what a bitwise comparison needs of it."""
+    h = hashlib.sha256()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel():
+        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+    return (tuple(t.shape), t.dtype, h.hexdigest())
+
+
+def _same(a: Any, b: Any, bitwise: bool) -> bool:
     if a is None or b is None:
         return a is None and b is None
+    if isinstance(a, tuple):  # digests (bitwise)
+        return a == b
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if bitwise:
@@ -46,14 +58,18 @@ def _rtol(dtype: torch.dtype) -> float:
 
 def step_differences(
     model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
-    bitwise: bool | None = None,
+    bitwise: bool | None = None, reference: torch.nn.Module | None = None,
 ) -> list[str] | None:
     """What differs after one training step of `module` against one of `model` (the model's own
     parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
     the step itself where the module's raises and the model's does not. None where the model's own
     step raises: there is nothing to compare with.
     bitwise=False judges allclose in the dtype (plans made with exact=False); None: bitwise on the CPU.
-    The model is left as it was found (buffers, grads, modes, RNG)."""
+    `reference`: the module whose step stands for the model's (the step checkpointed per block, where
+    the plain step does not fit the budget); its parameters are the model's.
+    The first step's figures are kept off the device where they can be: a digest of each tensor's bytes
+    when judged bitwise, host copies on an accelerator, so comparing needs no second set of gradients
+    beside the step. The model is left as it was found (buffers, grads, modes, RNG)."""
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     device = next((t.device for _, t in params + buffers), torch.device("cpu"))
@@ -76,12 +92,21 @@ def step_differences(
                 p.grad = None
             out = m(*args, **kwargs)
             default_loss(out).backward()
-            outs = [t.detach().clone() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            grads = [None if p.grad is None else p.grad.detach().clone() for _, p in params]
-            return outs, grads, [b.detach().clone() for _, b in buffers]
+            outs = [kept(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            del out
+            grads = [None if p.grad is None else kept(p.grad) for _, p in params]
+            for _, p in params:
+                p.grad = None
+            return outs, grads, [kept(b) for _, b in buffers]
+
+        def kept(t: torch.Tensor) -> Any:
+            t = t.detach()
+            if bitwise:
+                return _digest(t)
+            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
         try:
-            ref = run(model)
+            ref = run(model if reference is None else reference)
         except Exception:  # noqa: BLE001 - the model cannot train one step as given: nothing to judge by
             return None
         try:
@@ -110,15 +135,22 @@ def inexact_parts(
     return False, bad
 
 
+def reference_module(p: Profiled) -> torch.nn.Module | None:
+    """The module whose step stands for the model's (None: the model's own): the graph checkpointed per
+    block where the plain step was never run (`Profiled.reference_regions`)."""
+    return rewrite(p.capture.graph_module, p.reference_regions, model=p.model) if p.reference_regions else None
+
+
 def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | None,
             request: PlanRequest) -> tuple[Solution, list[str]]:
     """`solution` when its step equals the model's, else the plan solved again with what differed
     forbidden (kept ops, else regions) in `p.problem`, and a note that says so."""
     gm, model, cap = p.capture.graph_module, p.model, p.capture
+    reference = reference_module(p)
 
     def differs(regions, saved) -> bool | None:
         found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,
-                                 bitwise=None if p.exact else False)
+                                 bitwise=None if p.exact else False, reference=reference)
         return None if found is None else bool(found)
 
     names = p.names

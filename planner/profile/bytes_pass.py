@@ -28,7 +28,7 @@ import torch
 from ..capture.trace import Capture
 from ..progress import logger, stage
 from .graph import CostGraph
-from .profiler import ProfileConfig, profile
+from .profiler import ProfileConfig, fake_profile, profile
 from .timing import with_step_times
 from .timing_store import store_dir
 
@@ -107,16 +107,39 @@ PROFILES = ProfileMemo()
 
 
 def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileConfig,
-                         check_bytes: Callable[[CostGraph], None] | None = None) -> CostGraph:
-    """The profile a Planner plans on: reused when this process measured the same graph, weights and
-    inputs; else, where `check_bytes` is given and the profile times the model, the bytes pass first
-    (`check_bytes(cost)` refuses an infeasible budget before any timing), then the timed profile and
-    the step times."""
+                         check_bytes: Callable[[CostGraph], None] | None = None,
+                         plain_fits: Callable[[CostGraph], bool] | None = None) -> CostGraph:
+    """The profile a Planner plans on.
+
+    `plain_fits(cost)`: whether the plain step fits the budget, judged on bytes. Where it does not (and
+    `config.bounded` leaves the choice to the planner), the graph is profiled a stage at a time
+    (profile/stagewise.py): bytes on fake tensors, each stage's own step on real ones, no whole-step
+    timings, so planning needs one stage's step, not the step it is asked to shrink; `check_bytes(cost)`
+    then judges that profile. Else, as always: reused when this process measured the same graph, weights
+    and inputs; where the profile times the model, the bytes pass first (`check_bytes(cost)` refuses an
+    infeasible budget before any timing), then the timed profile and the step times."""
+    fake = None
+    if config.bounded is None:
+        bounded = False
+        if plain_fits is not None and not config.meta:
+            with stage("bytes", "fake tensors: does the plain step fit the budget?"):
+                fake = fake_profile(cap, config)
+                bounded = not plain_fits(fake[0])
+        config = dataclasses.replace(config, bounded=bounded)
     memo = PROFILES.key(model, cap, config)
     cost = PROFILES.get(memo)
     if cost is not None:
         with stage("profile", "reused: this process measured the same graph, weights and inputs"):
             return cost
+    if config.bounded and not config.meta:
+        with stage("profile", "a stage at a time: bytes on fake tensors, each stage's own step on real ones"):
+            cost = profile(cap, config, fake=fake)
+        logger.info("profile: %d nodes in %d stages, %.1f MB saved for backward (%s)", len(cost.nodes),
+                    len(cost.stages), cost.total_saved_bytes / 1e6, cost.time_source)
+        if check_bytes is not None:
+            check_bytes(cost)
+        PROFILES.put(memo, cost)
+        return cost
     if check_bytes is not None and needs_bytes_pass(config):
         with stage("bytes", "one recorded step, no timing: can the budget be met?"):
             check_bytes(profile(cap, bytes_config(config)))

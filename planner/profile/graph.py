@@ -92,6 +92,10 @@ class CostGraph:
     recompute_scale: float = 1.0
     """The factor node times were scaled by so that a recompute costs what it does in a real step
     (timing.with_step_times); 1.0 when not calibrated."""
+    stages: tuple[tuple[int, int], ...] = ()
+    """Node spans profiled one at a time on real tensors (profile/stagewise.py): the plain step was never
+    run, so whatever runs the model after profiling compares with the step checkpointed per block.
+    Empty when the step was profiled whole (or on fake tensors alone)."""
 
     @property
     def saved_bytes(self) -> list[int]:
@@ -185,6 +189,7 @@ class CostGraph:
             "step_time_s": self.step_time_s,
             "graph_overhead_s": self.graph_overhead_s,
             "recompute_scale": self.recompute_scale,
+            "stages": [list(s) for s in self.stages],
             "param_bytes": self.param_bytes,
             "input_bytes": self.input_bytes,
             "nodes": [asdict(n) for n in self.nodes],

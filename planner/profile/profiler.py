@@ -44,9 +44,10 @@ from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, storage_key
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
+from .stagewise import measure_stages, stage_spans, with_stage_figures
 from .timing import finish_profile, robust_times, with_fastest
 
-__all__ = ["ProfileConfig", "CostProfiler", "profile"]
+__all__ = ["ProfileConfig", "CostProfiler", "profile", "fake_profile"]
 
 _NOT_RECOMPUTABLE_MODULES = ("_guards_fn",)
 
@@ -81,6 +82,11 @@ class ProfileConfig:
     timing_store: bool = True
     """Keep fitted times in the device's timing store and read them from it, so that a model plans the
     same on every run (planner.timing_store). False: measure afresh and store nothing."""
+    bounded: bool | None = None
+    """Profile a stage at a time (profile/stagewise.py): bytes on fake tensors, times and workspaces from
+    each stage's own step on real tensors, so profiling needs one stage's step, not the whole step's.
+    None: the planner decides, stage-wise once the plain step would not fit the budget; True: always;
+    False: the whole step on real tensors (what every budget took before)."""
 
 
 def _module_path(node: fx.Node) -> str:
@@ -101,8 +107,10 @@ def _clean_path(path: str) -> str:
     return path.strip(".")
 
 
-def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.device | None = None) -> CostGraph:
-    """Measure every node of the captured graph; see the module docstring."""
+def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.device | None = None,
+            fake: tuple[CostGraph, Any] | None = None) -> CostGraph:
+    """Measure every node of the captured graph; see the module docstring. `fake`: the graph's bytes on
+    fake tensors (`fake_profile`) when they were taken already (a stage-wise profile starts from them)."""
     config = config or ProfileConfig()
     gm = cap.graph_module
     flat = flatten_for_graph(gm, cap.args, cap.kwargs)
@@ -115,6 +123,8 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     with rng_preserved():
         if meta:
             cost, (cached, ops) = _profile_fake(gm, flat, config, dev)
+        elif config.bounded:
+            cost, (cached, ops) = _profile_bounded(gm, flat, config, dev, fake)
         else:
             cost = _profile_real(gm, flat, config, dev)
             cached, ops = try_policy_costs(gm, flat)
@@ -174,6 +184,28 @@ def _profile_fake(
     finally:
         _swap_state(gm, real_state)
     return built, costs
+
+
+def fake_profile(cap: Capture, config: ProfileConfig) -> tuple[CostGraph, Any]:
+    """The graph's bytes on fake tensors at the real shapes, before any time is measured: (the unfinished
+    cost graph, FLOP times; the selective-policy figures). Nothing runs on the device."""
+    gm = cap.graph_module
+    flat = flatten_for_graph(gm, cap.args, cap.kwargs)
+    dev = next((t.device for t in strided_tensors(flat)), torch.device("cpu"))
+    with rng_preserved():
+        return _profile_fake(gm, flat, config, dev)
+
+
+def _profile_bounded(
+    gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device, fake: tuple[CostGraph, Any] | None
+) -> tuple[CostGraph, tuple[dict[str, int], dict[str, int]]]:
+    """Bytes on fake tensors, then each stage's real figures (profile/stagewise.py)."""
+    if config.flop_times and not config.count_flops:
+        raise InputError("profile_config.flop_times: needs count_flops=True (FLOPs are what it times by)")
+    cost, costs = fake if fake is not None else _profile_fake(gm, flat, config, dev)
+    figures = measure_stages(gm, flat, cost, device=dev, warmup=config.warmup, repeats=config.repeats,
+                             timed=not config.flop_times, allocator=config.allocator)
+    return with_stage_figures(cost, figures, stage_spans(cost)), costs
 
 
 def _swap_state(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> None:

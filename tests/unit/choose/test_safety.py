@@ -88,7 +88,8 @@ def test_named_smallest_budget_is_accepted_by_a_fresh_call_and_nothing_below(nam
     fresh = optimize(model, inputs, budget_bytes=smallest, solver=solver, profile_config=FAST)  # re-timed
     assert fresh.predicted_peak_bytes <= smallest
     assert smallest <= fresh.baseline_peak_bytes
-    assert simulate(fresh.problem, fresh.spans()).peak_bytes == fresh.predicted_peak_bytes
+    kept = [i for r in fresh.regions for i in r.saved_positions]
+    assert simulate(fresh.problem, fresh.spans(), saved=kept).peak_bytes == fresh.predicted_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as below:
         optimize(model, inputs, budget_bytes=int(smallest * 0.99), solver=solver, profile_config=FAST)
     assert below.value.smallest_bytes == smallest

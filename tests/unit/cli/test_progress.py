@@ -9,7 +9,7 @@ from ckpt_planner.profile.profiler import ProfileConfig
 
 from tests.models.small import mlp
 
-# bytes: the byte pass that decides feasibility before any timing (profile/first_pass.py); check: the safety net
+# bytes: the byte pass that decides feasibility before any timing (profile/bytes_pass.py); check: the safety net
 STAGES = ("capture", "bytes", "profile", "solve", "check", "rewrite")
 
 
@@ -32,7 +32,9 @@ def test_stages_and_solver_steps_go_to_the_logger(caplog) -> None:
         assert any(m.startswith(f"{name}: done in") for m in messages), name
     # the order of the pipeline
     starts = [m.split(":")[0] for m in messages if ": start" in m]
-    assert starts == ["capture", "bytes", "profile", "step times", "solve", "check", "rewrite", "verify"]
+    # half the plain step's activations: the plain step does not fit, so it is profiled a stage at a time
+    # and no whole step is timed
+    assert starts == ["capture", "bytes", "profile", "solve", "check", "rewrite", "verify"]
     # the portfolio's own steps, from the torch-free solvers package
     solver_records = [r for r in caplog.records if r.name.startswith("ckpt_planner.solvers")]
     assert any("auto: running dp" in r.getMessage() for r in solver_records)

@@ -128,12 +128,14 @@ def test_exact_plans_never_chunk():
     inputs = _inputs(256)
     plain = Planner(model, inputs, profile_config=FLOPS)
     budget = (floor_of(plain.profiled, "auto", {}, False)[0] + plain.no_checkpoint_peak_bytes) // 2  # needs checkpointing
-    plan = optimize(model, inputs, budget_bytes=budget, profile_config=FLOPS)
+    # no step checked: checking runs a reference step (here the model's own: checkpointing per block saves
+    # nothing on this head-heavy model), which this budget does not fit; verify checks the plans below
+    plan = optimize(model, inputs, budget_bytes=budget, profile_config=FLOPS, check_step=False)
     assert "chunks" not in plan.stats
     assert not any(isinstance(m, ChunkedCall) for m in plan.module.modules())
     # exact=False where the exact plan fits: nothing chunked either, and the step is bitwise
     assert plan.regions
-    loose = optimize(model, inputs, budget_bytes=budget, profile_config=FLOPS, exact=False)
+    loose = optimize(model, inputs, budget_bytes=budget, profile_config=FLOPS, exact=False, check_step=False)
     assert loose.stats["chunks"] == [] and not any(isinstance(m, ChunkedCall) for m in loose.module.modules())
     assert verify(model, loose, inputs).exact
 

@@ -1,0 +1,302 @@
+"""Profiling a stage at a time: what the clock and the allocator say, in memory bounded by one stage's step.
+
+The bytes of a profile (what every node makes, saves and frees, its gradients, the backward's tensor
+temporaries) come from one run on fake tensors at the real shapes (profiler.py, meta mode): no memory.
+What only real kernels show is measured here, a stage at a time:
+
+- each node's time (timed runs, as the whole-graph profile times them);
+- the allocator's peak while a node runs above what it leaves (kernel workspaces: oneDNN, BLAS packing);
+- the allocator's peak in each node's backward step above the live tensors (the backward's workspaces).
+
+A stage is a run of nodes of one numbered block (`model.layers.3`), or a run between blocks (the
+embedding, the head and its loss); a graph without blocks is cut into about sqrt(n) even runs. Each
+stage runs forward and backward on real tensors from its inputs detached, as a checkpointed block
+does, with only its own activations alive: the rest of the step is not held. Its outputs, detached,
+are what the next stages read; a value is dropped after the last stage that reads it.
+
+Stages with the same structure (ops, shapes, dtypes, FLOPs, bytes, and where their inputs come from,
+position for position) are measured once: the others only run forward, for the values the next
+stages need, and take the first one's figures. A 32-layer model is measured in about the time of one
+layer, the embedding and the head.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .graph import CostGraph
+from .memory import AllocatorMeter, LiveMemory
+from .record import CostProfiler, strided_tensors
+from .timing import robust_times, with_fastest
+
+__all__ = ["StageFigures", "stage_spans", "stage_key", "measure_stages", "with_stage_figures"]
+
+Span = tuple[int, int]
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")  # the numbered module a node belongs to: "model.layers.3"
+
+
+def stage_spans(cost: CostGraph) -> tuple[Span, ...]:
+    """Node spans covering the graph in order: each numbered block's run, and the runs between them."""
+    n = len(cost.nodes)
+    keys = []
+    for node in cost.nodes:
+        m = _BLOCK.match(node.module) if node.module else None
+        keys.append(m.group(1) if m else None)
+    if n == 0:
+        return ()
+    if not any(keys):  # no blocks: about sqrt(n) even runs
+        size = max(1, math.ceil(n / max(1, round(math.sqrt(n)))))
+        return tuple((s, min(n, s + size) - 1) for s in range(0, n, size))
+    spans, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or keys[i] != keys[start]:
+            spans.append((start, i - 1))
+            start = i
+    return tuple(spans)
+
+
+def stage_key(cost: CostGraph, span: Span) -> tuple:
+    """What makes two stages measure the same: per node its op, shapes, dtype, FLOPs and bytes, and where
+    each of its inputs comes from (a node of the stage, by distance; else the stage's n-th outside input)."""
+    s, e = span
+    rows, outside = [], {}
+    for i in range(s, e + 1):
+        n = cost.nodes[i]
+        # an input from outside the stage by its order of first use: the rotary tables and the mask
+        # every layer reads are further back for each layer, but first read at the same place
+        wiring = tuple(("in", i - j) if j >= s else ("out", outside.setdefault(j, len(outside))) for j in n.inputs)
+        target = re.sub(r"\d+", "#", n.target) if n.op == "call_module" else n.target
+        rows.append((n.op, target, repr(n.shapes), n.dtype, n.flops, n.out_bytes, n.temp_bytes, n.grad_bytes,
+                     n.param_grad_bytes, n.backward_temp_bytes, n.saved_tensors, wiring))
+    return tuple(rows)
+
+
+@dataclass
+class StageFigures:
+    """What the real runs of the stages measured, per node name."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+    """Each node's timed runs (seconds); empty when the profile takes its times from FLOPs."""
+    forward_temp: dict[str, int] = field(default_factory=dict)
+    """The allocator's peak while the node ran, above what it left allocated (bytes)."""
+    backward_extra: dict[str, int] = field(default_factory=dict)
+    """The allocator's peak in the node's backward step above the live tensors then (bytes)."""
+    measured: int = 0
+    """Stages measured (the others repeat one of them)."""
+
+
+def _detached(value: Any) -> Any:
+    """A stage's output as the next stage reads it: detached, still asking for a gradient where it did."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        d = t.detach()
+        return d.requires_grad_(True) if t.requires_grad and (t.is_floating_point() or t.is_complex()) else d
+
+    return pytree.tree_map(one, value)
+
+
+class _StageRunner:
+    """Runs the graph's compute nodes span by span, keeping only the values later spans read."""
+
+    def __init__(self, gm: fx.GraphModule, flat: Sequence[Any], spans: Sequence[Span]) -> None:
+        self.gm = gm
+        self.compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        self.interp = CostProfiler(gm)
+        self.values: dict[fx.Node, Any] = {}
+        flat_iter = iter(flat)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                self.values[n] = next(flat_iter, None)
+            elif n.op == "get_attr":
+                self.values[n] = self.interp.fetch_attr(n.target)
+        stage_of = {}
+        for k, (s, e) in enumerate(spans):
+            for i in range(s, e + 1):
+                stage_of[self.compute[i]] = k
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.last_reader: dict[fx.Node, int] = {}
+        for n in self.compute:
+            for a in n.all_input_nodes:
+                if a in stage_of:
+                    self.last_reader[a] = max(self.last_reader.get(a, -1), stage_of[n])
+        self.outputs = set(output.all_input_nodes)
+
+    def nodes(self, span: Span) -> list[fx.Node]:
+        return self.compute[span[0]: span[1] + 1]
+
+    def run(self, span: Span, meter: AllocatorMeter | None = None, grad_fns: bool = False) -> dict[fx.Node, Any]:
+        """One forward of the span from the kept values; the span's own values, by node."""
+        nodes = self.nodes(span)
+        inside = set(nodes)
+        self.interp.env = {a: self.values[a] for n in nodes for a in n.all_input_nodes if a not in inside}
+        for n in nodes:
+            if meter is not None:
+                meter.mark(n.name)
+            out = self.interp.run_node(n)
+            self.interp.env[n] = out
+            if grad_fns:
+                self.interp._own_grad_fns(n, out)
+        env, self.interp.env = self.interp.env, {}
+        return {n: env[n] for n in nodes}
+
+    def keep(self, k: int, span: Span, env: dict[fx.Node, Any]) -> None:
+        """Keep what later spans read from this one (detached); drop what no later span reads."""
+        for n in self.nodes(span):
+            if self.last_reader.get(n, -1) > k or n in self.outputs:
+                self.values[n] = _detached(env[n])
+        for n in [n for n in self.values if n in self.last_reader and self.last_reader[n] <= k and n not in self.outputs]:
+            del self.values[n]
+
+    def boundary(self, k: int, span: Span, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+        """The span's outputs that a later span or the graph's output reads, as tensors asking for a gradient."""
+        seen, out = set(), []
+        for n in self.nodes(span):
+            if self.last_reader.get(n, -1) > k or n in self.outputs:
+                for t in strided_tensors(env[n]):
+                    if t.requires_grad and t.grad_fn is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+        return out
+
+
+_BACKWARD = "backward of "  # the allocator window of a node's backward step
+_SEEDS = "<the boundary's gradients>"  # the allocator window where the backward's seeds are made
+
+
+def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], meter: AllocatorMeter,
+              figures: StageFigures) -> dict[str, int]:
+    """The span's backward from its boundary (gradients of ones, as a summed loss gives), in the meter that
+    saw its forward; per node, how far the live tensors rose in its backward step (bytes)."""
+    roots = runner.boundary(k, span, env)
+    if not roots:
+        return {}
+    meter.mark(_SEEDS)  # the seeds are no node's: the last node's window closes before them
+    grads = [torch.ones_like(t) for t in roots]
+    mem = LiveMemory()
+    mem.track(list(env.values()), grads)
+    rise: dict[str, int] = {}
+    current: list[tuple[str, int] | None] = [None]
+
+    def close() -> None:
+        if current[0] is not None:
+            name, start = current[0]
+            rise[name] = max(rise.get(name, 0), mem.peak - start)
+
+    def enter(name: str) -> None:
+        close()
+        current[0] = (name, mem.current)
+        mem.reset_peak()
+        meter.mark(_BACKWARD + name)
+
+    owners = runner.interp.grad_fns
+    handles = [fn.register_prehook(lambda _g, name=name: enter(name)) for fn, name in owners.items()]
+    try:
+        with mem:
+            torch.autograd.backward(roots, grads)
+        close()
+    except Exception:  # noqa: BLE001 - a stage whose backward fails here keeps its tensor figures
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+        owners.clear()
+    return rise
+
+
+def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGraph, *, device: torch.device,
+                   warmup: int, repeats: int, timed: bool, allocator: bool) -> StageFigures:
+    """Run the graph a stage at a time on real tensors (see the module docstring). `bytes_cost`: the fake
+    profile of the same graph (its nodes in compute order); `timed`: time each node (else FLOP times)."""
+    spans = stage_spans(bytes_cost)
+    runner = _StageRunner(gm, flat, spans)
+    if device.type == "cuda":
+        runner.interp.sync = lambda: torch.cuda.synchronize(device)
+    figures = StageFigures()
+    first: dict[tuple, Span] = {}
+    copies: list[tuple[list[fx.Node], list[fx.Node]]] = []
+    params = [p for p in gm.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    try:
+        for k, span in enumerate(spans):
+            key = stage_key(bytes_cost, span)
+            if key in first:  # measured already: forward only, for the values the next spans read
+                env = runner.run(span)
+                copies.append((runner.nodes(first[key]), runner.nodes(span)))
+                runner.keep(k, span, env)
+                continue
+            first[key] = span
+            figures.measured += 1
+            if timed:
+                for i in range(warmup + repeats):
+                    if i == warmup:
+                        for n in runner.nodes(span):
+                            runner.interp.times.pop(n.name, None)
+                    runner.run(span)
+            # One meter for the stage's forward and backward: every block it sees freed, it saw allocated
+            # (what earlier runs left for the collector is collected first).
+            gc.collect()
+            with AllocatorMeter(device if allocator else "meta") as meter:
+                env = runner.run(span, meter, grad_fns=True)
+                rise = _backward(runner, k, span, env, meter, figures) if meter.available else {}
+            for n in runner.nodes(span):  # the metered run is not one of the timed runs
+                runner.interp.times[n.name].pop()
+            for w in meter.windows():
+                if w.name == _SEEDS:
+                    continue
+                if w.name.startswith(_BACKWARD):  # the allocator's rise above the live tensors': workspaces
+                    name = w.name[len(_BACKWARD):]
+                    if name in rise:
+                        extra = (w.peak - w.start) - rise[name]
+                        figures.backward_extra[name] = max(figures.backward_extra.get(name, 0), extra)
+                else:
+                    figures.forward_temp[w.name] = max(figures.forward_temp.get(w.name, 0), w.peak - w.end)
+            runner.interp.grad_fns.clear()
+            for p in params:
+                p.grad = None
+            runner.keep(k, span, env)
+            del env
+        figures.times = dict(runner.interp.times) if timed else {}
+        _copy(figures, copies)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    return figures
+
+
+def _copy(figures: StageFigures, copies: list[tuple[list[fx.Node], list[fx.Node]]]) -> None:
+    """Each repeated stage takes its first instance's figures, node for node."""
+    for source, target in copies:
+        for a, b in zip(source, target):
+            for table in (figures.times, figures.forward_temp, figures.backward_extra):
+                if a.name in table:
+                    table[b.name] = table[a.name]
+
+
+def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span, ...]) -> CostGraph:
+    """The fake profile `cost` with the stages' real figures: measured times (where timed), forward
+    temporaries at least the allocator's, and the backward's workspaces added to its temporaries."""
+    times = robust_times(figures.times) if figures.times else {}
+    nodes = tuple(
+        replace(
+            n,
+            time=times.get(n.name, n.time),
+            temp_bytes=max(n.temp_bytes, figures.forward_temp.get(n.name, 0)),
+            backward_temp_bytes=n.backward_temp_bytes + max(0, figures.backward_extra.get(n.name, 0)),
+        )
+        for n in cost.nodes
+    )
+    cost = replace(cost, nodes=nodes, stages=spans)
+    if figures.times:
+        cost = with_fastest(replace(cost, time_source="measured"), figures.times)
+    return cost
