@@ -17,6 +17,7 @@ needs, not of the plan's quality.
     python -m benchmarks.plan_memory                 # the Llama shape, the CNN and the encoder
     python -m benchmarks.plan_memory --cases llama
     python -m benchmarks.plan_memory --depth         # and planning time at 4 and 24 layers on each path
+    python -m benchmarks.plan_memory --cases --zoo   # the zoo's plans and prediction errors on each profile
 
 Writes benchmarks/results/plan_memory.json and plan_memory.md.
 """
@@ -175,9 +176,43 @@ def run_case(name: str, path: str) -> dict[str, Any]:
     return row
 
 
-def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+ZOO_FRACTION = 0.5
+
+
+def zoo_row(name: str) -> dict[str, Any]:
+    """One zoo model planned on each profile (FLOP times, solver dp, half its activations): the plans, their
+    predicted and measured peaks. The stage-wise profile should give the same plan, or one predicted no
+    slower, with a prediction error no worse."""
+    from ckpt_planner.api import Planner
+
+    from tests.models.zoo import build
+
+    row: dict[str, Any] = {"model": name}
+    for path in ("whole", "stages"):
+        model, inputs = build(name)
+        planner = Planner(model, inputs, profile_config=ProfileConfig(flop_times=True, bounded=path == "stages"))
+        plan = planner.plan(activation_budget=ZOO_FRACTION, solver="dp", autotune=False)
+        measured = _step_peak(plan.module, inputs)
+        row[path] = {"regions": [list(r) for r in plan.spans()], "predicted_mb": plan.predicted_peak_bytes / MB,
+                     "recompute_ms": plan.predicted_recompute_s * 1e3, "measured_mb": measured / MB,
+                     "error": plan.predicted_peak_bytes / measured - 1, "budget_mb": plan.budget_bytes / MB}
+    row["same_plan"] = row["whole"]["regions"] == row["stages"]["regions"]
+    return row
+
+
+def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dict[str, Any]], meta: dict[str, Any],
+          out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan_memory.json").write_text(json.dumps({"meta": meta, "rows": rows, "depth": depth}, indent=1) + "\n")
+    data = {"meta": meta, "rows": rows, "depth": depth, "zoo": zoo}
+    old = out / "plan_memory.json"
+    if old.exists():  # a section not run this time is kept as the last run wrote it
+        kept = json.loads(old.read_text())
+        for key in ("rows", "depth", "zoo"):
+            if not data[key] and kept.get(key):
+                data[key] = kept[key]
+                meta[f"{key}_measured"] = kept.get("meta", {}).get(f"{key}_measured", kept.get("meta", {}).get("when"))
+    rows, depth, zoo = data["rows"], data["depth"], data["zoo"]
+    (out / "plan_memory.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = [
         "# Planning within the budget",
         "",
@@ -206,14 +241,25 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], meta: dict[st
         for path in dict.fromkeys(r["path"] for r in depth):
             walls = [next(r["wall_s"] for r in depth if r["path"] == path and r["layers"] == d) for d in DEPTHS]
             lines.append(f"| {path} | " + " | ".join(f"{w:.1f}" for w in walls) + f" | {walls[-1] / walls[0]:.2f}x |")
+    if zoo:
+        lines += ["", f"The zoo (tests/models/zoo.py) on each profile: FLOP times, solver dp, {ZOO_FRACTION} of its "
+                  "activations. Error: predicted over the plan's measured peak, less one.", "",
+                  "| model | same plan | whole: predicted MB | error | recompute ms | stages: predicted MB | error | "
+                  "recompute ms |", "|---|---|---|---|---|---|---|---|"]
+        for r in zoo:
+            w, g = r["whole"], r["stages"]
+            lines.append(f"| {r['model']} | {'yes' if r['same_plan'] else 'no'} | {w['predicted_mb']:.2f} | "
+                         f"{w['error'] * 100:+.1f} % | {w['recompute_ms']:.2f} | {g['predicted_mb']:.2f} | "
+                         f"{g['error'] * 100:+.1f} % | {g['recompute_ms']:.2f} |")
     (out / "plan_memory.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--paths", nargs="+", default=["bounded", "whole"], choices=["bounded", "whole"])
     ap.add_argument("--depth", action="store_true", help=f"also time planning at {DEPTHS} layers on each path")
+    ap.add_argument("--zoo", action="store_true", help="also plan the zoo on each profile (plans and prediction errors)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs (no GPU)", "torch": torch.__version__,
@@ -228,7 +274,14 @@ def main(argv: list[str] | None = None) -> None:
         for path in a.paths:
             depth.append(depth_row(layers, path))
             print(json.dumps(depth[-1]), flush=True)
-    write(rows, depth, meta, a.out)
+    zoo = []
+    if a.zoo:
+        from tests.models.zoo import ZOO
+
+        for name in ZOO:
+            zoo.append(zoo_row(name))
+            print(json.dumps(zoo[-1]), flush=True)
+    write(rows, depth, zoo, meta, a.out)
 
 
 if __name__ == "__main__":

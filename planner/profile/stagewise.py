@@ -234,6 +234,7 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
                 env = runner.run(span)
                 copies.append((runner.nodes(first[key]), runner.nodes(span)))
                 runner.keep(k, span, env)
+                del env  # its graph and saved tensors: not held into the next stage
                 continue
             first[key] = span
             figures.measured += 1
