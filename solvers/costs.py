@@ -5,6 +5,8 @@ plan-independent where they can be; `simulate` remains the ground truth.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .problem import Problem
 from .simulate import call_time, normalize_regions, normalize_saved, region_parents
 
@@ -60,34 +62,40 @@ def recompute_time(problem: Problem, regions, saved=()) -> float:
     if not regions:
         return 0.0
     saved = normalize_saved(problem, regions, saved)
-    is_saved = set(saved)
-    nodes, storages = problem.nodes, problem.storages
-    saves = saver_flags(problem)
+    a = problem.arrays
+    if saved:
+        prefix = _forward_prefix(problem, set(saved))
+    else:
+        if a.recompute_prefix is None:
+            a.recompute_prefix = _forward_prefix(problem)
+        prefix = a.recompute_prefix
     parents = region_parents(regions)
-    inner = [-1] * problem.n
+    inner = np.full(problem.n, -1, dtype=np.int64)
     for r, (s, e) in enumerate(regions):
-        for i in range(s, e + 1):
-            inner[i] = r
-    has_inputs = [any(storages[t].producer < s for i in range(s, e + 1) for t in nodes[i].reads) for s, e in regions]
-    child_stops: list[list[int]] = [[] for _ in regions]
+        inner[s : e + 1] = r
+    has_inputs = [bool((a.read_producer[a.read_ptr[s] : a.read_ptr[e + 1]] < s).any()) for s, e in regions]
+    stops = [s - 1 for s, _ in regions]
+    owner = inner[a.savers]  # a region's own savers: the nodes whose innermost region it is
+    for r, k in zip(owner[owner >= 0].tolist(), a.savers[owner >= 0].tolist()):
+        stops[r] = max(stops[r], k)
     for c, p in enumerate(parents):
         if p >= 0 and has_inputs[c]:
-            child_stops[p].append(regions[c][0] - 1)
-    prefix = [0.0]
-    for i, node in enumerate(nodes):
-        hooks = problem.saved_overhead_s * node.saved_tensors
-        prefix.append(prefix[-1] + hooks + (0.0 if i in is_saved else node.time))
+            stops[p] = max(stops[p], regions[c][0] - 1)
     total = 0.0
-    stops = []
-    for r, (s, e) in enumerate(regions):
-        own = [k for k in range(s, e + 1) if saves[k] and inner[k] == r] + child_stops[r]
-        stop = max(own) if own else s - 1
-        stops.append(stop)
-        if not any(saves[k] for k in range(s, e + 1)):
-            continue
-        if stop >= s:
+    for (s, e), stop in zip(regions, stops):
+        if a.prev_saver[e] >= s and stop >= s:  # some node in the region saves: its recompute runs
             total += prefix[stop + 1] - prefix[s]
     return total + call_time(problem, regions, saved, stops)
+
+
+def _forward_prefix(problem: Problem, saved: set[int] | frozenset[int] = frozenset()) -> list[float]:
+    """prefix[i]: seconds a recompute of nodes 0..i-1 costs (forward time of those not kept, plus the
+    regions' hooks on what each saves), summed node by node. # seconds"""
+    prefix = [0.0]
+    for i, node in enumerate(problem.nodes):
+        hooks = problem.saved_overhead_s * node.saved_tensors
+        prefix.append(prefix[-1] + hooks + (0.0 if i in saved else node.time))
+    return prefix
 
 
 def trim_flat_regions(problem: Problem, regions, saves: list[bool] | None = None) -> tuple[tuple[int, int], ...]:

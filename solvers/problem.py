@@ -8,12 +8,14 @@ Nothing here imports torch: a Problem can be built by hand for any graph.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Node", "Storage", "Problem", "Solution", "ProblemError"]
+__all__ = ["Node", "Storage", "Problem", "Solution", "ProblemError", "ProblemArrays"]
 
 
 class ProblemError(ValueError):
@@ -239,6 +241,69 @@ class Problem:
     def articulation_points(self) -> list[int]:
         """Positions i after which at most one activation storage is live: cheap cuts."""
         return [i for i, c in enumerate(self.cut_counts()) if c <= 1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "arrays"}  # derived: rebuilt on first use
+
+    @functools.cached_property
+    def arrays(self) -> ProblemArrays:
+        """The problem as the arrays `simulate` sweeps over; built on first use, then kept (the Problem is
+        frozen, so they never go stale)."""
+        return ProblemArrays(self)
+
+
+class ProblemArrays:
+    """What `simulate` reads of a Problem that no plan changes, as numpy arrays. # bytes int64; indices int64"""
+
+    def __init__(self, problem: Problem) -> None:
+        import numpy as np  # a dependency of the package; imported here so that plain data needs none
+
+        nodes, storages = problem.nodes, problem.storages
+        n, m = len(nodes), len(storages)
+        i64 = np.int64
+        self.n, self.m = n, m
+        self.producer = np.array([st.producer for st in storages], dtype=i64)
+        self.nbytes = np.array([st.nbytes for st in storages], dtype=i64)
+        self.last_use = np.array([st.last_use for st in storages], dtype=i64)
+        self.is_output = np.array([st.is_output for st in storages], dtype=bool)
+        self.by_producer = np.argsort(self.producer, kind="stable")  # storages in node order
+        self.producer_ptr = np.searchsorted(self.producer[self.by_producer], np.arange(n + 1))
+        pairs = [(t, k) for t, st in enumerate(storages) for k in st.saved_by]
+        self.saved_t = np.array([t for t, _ in pairs], dtype=i64)  # storage t is saved by node saved_k
+        self.saved_k = np.array([k for _, k in pairs], dtype=i64)
+        self.read_ptr = np.cumsum([0] + [len(node.reads) for node in nodes], dtype=i64)  # node i reads read_t[ptr[i]:ptr[i+1]]
+        self.read_t = np.array([t for node in nodes for t in node.reads], dtype=i64)
+        self.read_producer = self.producer[self.read_t]
+        saves = np.zeros(n, dtype=bool)
+        saves[self.saved_k] = True
+        self.savers = np.flatnonzero(saves)
+        self.prev_saver = np.maximum.accumulate(np.where(saves, np.arange(n), -1)) if n else np.zeros(0, dtype=i64)
+        """prev_saver[i]: the last node at or before i whose backward keeps something (-1: none)."""
+        self.saveable = np.array([node.saveable for node in nodes], dtype=bool)
+        self.temp = np.array([node.temp_bytes for node in nodes], dtype=i64)
+        self.backward_temp = np.array([node.backward_temp_bytes for node in nodes], dtype=i64)
+        self.rng = np.array([node.rng_state_bytes for node in nodes], dtype=i64)
+        param = np.array([node.param_grad_bytes for node in nodes], dtype=i64)
+        self.param_grad_nodes = np.flatnonzero(param > 0)
+        self.param_grad_bytes = param[self.param_grad_nodes]
+        last_consumer = np.full(n, -1, dtype=i64)
+        for i, node in enumerate(nodes):
+            last_consumer[list(node.inputs)] = i
+        grad = np.array([node.grad_bytes for node in nodes], dtype=i64)
+        self.grad_nodes = np.flatnonzero((grad > 0) & (last_consumer > np.arange(n)))
+        self.grad_consumer = last_consumer[self.grad_nodes]  # the gradient appears at its last consumer's backward
+        self.grad_bytes = grad[self.grad_nodes]
+        self.nonnegative = not any((a < 0).any() for a in (self.temp, self.backward_temp, self.rng, param, grad))
+        """No size is negative: the condition under which the sweep equals the event-by-event replay."""
+        self.times = [node.time for node in nodes]  # seconds, kept as Python floats to sum as the replay does
+        self.hook_prefix = [0, *itertools.accumulate(node.saved_tensors for node in nodes)]
+        """Tensors saved by the nodes before i (exact integers)."""
+        self.unrecomputable = [0, *itertools.accumulate(int(not node.recomputable) for node in nodes)]
+        """Nodes before i that must not run twice."""
+        self.layouts: dict[tuple[tuple[int, int], ...], Any] = {}
+        """The simulator's layouts of the last few region plans (`simulate._layout`), most recent last."""
+        self.recompute_prefix: list[float] | None = None
+        """`costs.recompute_time`'s running sum of recompute seconds with no node kept, once it is made."""
 
 
 @dataclass(frozen=True)

@@ -545,6 +545,12 @@ def dp(
         return result
     from ..heuristics.selective import block_regions, with_saved
 
-    fitting = [r for r in search.candidates() if search.simulate(r).peak_bytes <= budget_bytes]
-    fitting.sort(key=lambda r: (search.time_of(r), len(r), r))
-    return with_saved(problem, budget_bytes, result, [*fitting[:SELECTIVE_CANDIDATES], block_regions(problem)])
+    if search.simulate(result.regions).peak_bytes > budget_bytes:
+        return result  # nothing fits: no plan to add kept ops to (`with_saved` would return it as well)
+    fitting = []  # the fastest table plans that fit: simulated in order of recompute time until there are enough
+    for regions in sorted(search.candidates(), key=lambda r: (search.time_of(r), len(r), r)):
+        if len(fitting) == SELECTIVE_CANDIDATES:
+            break
+        if search.simulate(regions).peak_bytes <= budget_bytes:
+            fitting.append(regions)
+    return with_saved(problem, budget_bytes, result, [*fitting, block_regions(problem)])

@@ -74,7 +74,10 @@ from .stages import coarsen
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend"]
+__all__ = ["ilp", "coarsen", "ILPBackendError", "ILPSolveError", "default_backend", "MAX_NODES"]
+
+MAX_NODES = 96
+"""Nodes above which `ilp` coarsens the graph (its `max_nodes`)."""
 
 
 def _solve_any(
@@ -422,7 +425,7 @@ def ilp(
     backend: str = "auto",
     time_limit: float | None = 20.0,
     gap: float = 0.0,
-    max_nodes: int = 96,
+    max_nodes: int = MAX_NODES,
     max_retries: int = 6,
     warm_start: bool = True,
     fallback: bool = True,

@@ -7,7 +7,7 @@ changes such as one decoder layer to the next) and cuts that are the least in th
 
 from __future__ import annotations
 
-from ..heuristics.basic import equal_cost_segments
+from ..heuristics.basic import Segmenter
 from ..problem import Node, Problem, Storage
 
 __all__ = ["coarsen", "_stage_bounds", "_dp_stage_bounds", "_module_cuts", "_valley_cuts"]
@@ -18,11 +18,11 @@ def _stage_bounds(problem: Problem, max_stages: int) -> list[tuple[int, int]]:
     n = problem.n
     if n <= max_stages:
         return [(i, i) for i in range(n)]
-    cut = problem.cut_bytes()
+    segments = Segmenter(problem)
     k, bounds = max_stages, []
     for _ in range(8):
         bounds, pos = [], 0
-        for s, e in equal_cost_segments(problem, max(1, k), cut):
+        for s, e in segments(max(1, k)):
             if s > pos:
                 bounds.append((pos, s - 1))  # a run of non-recomputable nodes
             bounds.append((s, e))
