@@ -8,8 +8,9 @@ What only real kernels show is measured here, a stage at a time:
 - the allocator's peak while a node runs above what it leaves (kernel workspaces: oneDNN, BLAS packing);
 - the allocator's peak in each node's backward step above the live tensors (the backward's workspaces).
 
-A stage is a run of nodes of one numbered block (`model.layers.3`), or a run between blocks (the
-embedding, the head and its loss); a graph without blocks is cut into about sqrt(n) even runs. Each
+A stage is a run of nodes of one numbered block (`model.layers.3`), or a piece of a run between blocks
+(the embedding, the head and its loss), at most about n / sqrt(n) nodes long: a graph without blocks is
+cut into about sqrt(n) even runs. Each
 stage runs forward and backward on real tensors from its inputs detached, as a checkpointed block
 does, with only its own activations alive: the rest of the step is not held. Its outputs, detached,
 are what the next stages read; a value is dropped after the last stage that reads it.
@@ -46,7 +47,8 @@ _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")  # the numbered module a node belongs 
 
 
 def stage_spans(cost: CostGraph) -> tuple[Span, ...]:
-    """Node spans covering the graph in order: each numbered block's run, and the runs between them."""
+    """Node spans covering the graph in order: each numbered block's run, and the runs between blocks cut
+    into pieces of at most about n / sqrt(n) nodes (a graph without blocks: about sqrt(n) even runs)."""
     n = len(cost.nodes)
     keys = []
     for node in cost.nodes:
@@ -54,13 +56,14 @@ def stage_spans(cost: CostGraph) -> tuple[Span, ...]:
         keys.append(m.group(1) if m else None)
     if n == 0:
         return ()
-    if not any(keys):  # no blocks: about sqrt(n) even runs
-        size = max(1, math.ceil(n / max(1, round(math.sqrt(n)))))
-        return tuple((s, min(n, s + size) - 1) for s in range(0, n, size))
+    size = max(1, math.ceil(n / max(1, round(math.sqrt(n)))))  # about sqrt(n) even runs where no block is
     spans, start = [], 0
     for i in range(1, n + 1):
         if i == n or keys[i] != keys[start]:
-            spans.append((start, i - 1))
+            if keys[start] is None:  # between blocks (or no block at all): even runs of at most `size`
+                spans += [(s, min(i, s + size) - 1) for s in range(start, i, size)]
+            else:
+                spans.append((start, i - 1))
             start = i
     return tuple(spans)
 
