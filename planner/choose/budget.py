@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..capture.preflight import nothing_to_plan
+from ..profile.memory import device_room
 from ..settings import PlanRequest
 from ..solvers.problem import Problem
 from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
@@ -32,7 +33,7 @@ from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
 __all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail", "floor_of", "refuse",
-           "check_feasible", "plain_step_fits", "refuse_unplannable"]
+           "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -173,18 +174,31 @@ def plain_step_fits(p: Profiled, request: PlanRequest) -> bool:
     return budget is None or p.no_checkpoint_peak_bytes <= budget
 
 
-def refuse_unplannable(p: Profiled, budget: int, solver: str, smallest: int) -> None:
-    """Where the plain step was never run (a stage-wise profile), the safety net still runs the step
-    checkpointed per block: the reference a plan's step is checked against. With the check on, a budget
-    that step's predicted peak exceeds by more than REFERENCE_TOLERANCE is refused, naming the least
-    budget planning needs (never an out-of-memory error mid-plan). Without it, profiling needs one
-    stage's step, which the floor plan's own bound covers."""
+def reference_over_budget(p: Profiled, budget: int) -> int:
+    """Bytes by which the safety net's reference step is predicted over `budget` (0: it fits, to the
+    simulator's tolerance, or no check runs): where the plain step was never run, checking a plan runs
+    the step checkpointed per block (or the plain step where that saves nothing)."""
     if not p.check or not p.cost.stages or p.reference_fits(budget):
+        return 0
+    return simulate(p.problem, p.reference_regions).peak_bytes - budget
+
+
+def refuse_unplannable(p: Profiled, budget: int, solver: str, smallest: int) -> None:
+    """A budget the reference step does not fit, on a device without room for it either, is refused
+    naming the least budget planning needs (never an out-of-memory error mid-plan): on a GPU capped at
+    the budget, checking the plan would need more than the cap. Where the device has room (the budget
+    is a target below what the device holds), the check runs above the budget and the plan says so."""
+    over = reference_over_budget(p, budget)
+    if not over:
         return
-    need = simulate(p.problem, p.reference_regions).peak_bytes
+    need = budget + over
+    room = device_room(p.cost.device)
+    resident = p.problem.param_bytes + p.problem.input_bytes  # allocated already: the room is beyond them
+    if room is not None and need - resident <= room:
+        return
     least = math.ceil(need / (1 + REFERENCE_TOLERANCE))
     what = "the step checkpointed per block" if p.reference_regions else "the model's own step"
     detail = (f"; checking the plan runs {what} (predicted {need / 1e6:.1f} MB: the reference the plan's step is "
-              "compared with), so it needs at least that; pass check_step=False to plan below it unchecked, "
-              "or plan on device='meta'")
+              "compared with), and the device has no room for it, so planning needs at least that; pass "
+              "check_step=False to plan below it unchecked, or plan on device='meta'")
     raise InfeasibleBudgetError(budget, max(least, smallest), solver, p.problem.fixed_bytes, detail=detail)

@@ -25,6 +25,7 @@ from ..profile.loss import default_loss
 from ..settings import PlanRequest
 from ..solvers.problem import Solution
 from ..solvers.registry import InfeasibleBudgetError
+from .budget import reference_over_budget
 from .profiled import Profiled
 from .solve import solve_budget
 
@@ -147,6 +148,12 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
     forbidden (kept ops, else regions) in `p.problem`, and a note that says so."""
     gm, model, cap = p.capture.graph_module, p.model, p.capture
     reference = reference_module(p)
+    over = reference_over_budget(p, budget) if budget is not None else 0
+    if over:
+        what = "the step checkpointed per block" if p.reference_regions else "the model's own step"
+        notes = [*notes, (
+            f"the check ran {what}, predicted {over / 1e6:.1f} MB over the budget, as the device had room for it; "
+            "check_step=False keeps planning within the budget")]
 
     def differs(regions, saved) -> bool | None:
         found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,

@@ -17,6 +17,7 @@ the next `Planner` of the same model and inputs reads it instead of timing again
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from collections import OrderedDict
@@ -114,40 +115,47 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
     `plain_fits(cost)`: whether the plain step fits the budget, judged on bytes. Where it does not (and
     `config.bounded` leaves the choice to the planner), the graph is profiled a stage at a time
     (profile/stagewise.py): bytes on fake tensors, each stage's own step on real ones, no whole-step
-    timings, so planning needs one stage's step, not the step it is asked to shrink; `check_bytes(cost)`
-    then judges that profile. Else, as always: reused when this process measured the same graph, weights
-    and inputs; where the profile times the model, the bytes pass first (`check_bytes(cost)` refuses an
-    infeasible budget before any timing), then the timed profile and the step times."""
+    timings, so planning needs one stage's step, not the step it is asked to shrink.
+
+    Either way: reused when this process measured the same graph, weights and inputs; where the profile
+    times the model, the bytes pass first (`check_bytes(cost)` refuses an infeasible budget before any
+    timing: one untimed step, a stage at a time where the plain step does not fit), then the timed
+    profile, and the whole step's times where it was profiled whole."""
     fake = None
-    if config.bounded is None:
-        bounded = False
-        if plain_fits is not None and not config.meta:
-            with stage("bytes", "fake tensors: does the plain step fit the budget?"):
-                fake = fake_profile(cap, config)
-                bounded = not plain_fits(fake[0])
-        config = dataclasses.replace(config, bounded=bounded)
-    memo = PROFILES.key(model, cap, config)
-    cost = PROFILES.get(memo)
-    if cost is not None:
-        with stage("profile", "reused: this process measured the same graph, weights and inputs"):
-            return cost
-    if config.bounded and not config.meta:
-        with stage("profile", "a stage at a time: bytes on fake tensors, each stage's own step on real ones"):
-            cost = profile(cap, config, fake=fake)
-        logger.info("profile: %d nodes in %d stages, %.1f MB saved for backward (%s)", len(cost.nodes),
-                    len(cost.stages), cost.total_saved_bytes / 1e6, cost.time_source)
-        if check_bytes is not None:
-            check_bytes(cost)
-        PROFILES.put(memo, cost)
-        return cost
-    if check_bytes is not None and needs_bytes_pass(config):
-        with stage("bytes", "one recorded step, no timing: can the budget be met?"):
-            check_bytes(profile(cap, bytes_config(config)))
-    with stage("profile", "meta tensors" if config.meta else "running each node"):
-        cost = profile(cap, config)
-    logger.info("profile: %d nodes, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
-                cost.total_saved_bytes / 1e6, cost.total_time * 1e3, cost.time_source)
-    if config.overheads and cost.time_source != "flops":  # FLOP times have no step to time
+    with contextlib.ExitStack() as bytes_stage:
+        if config.bounded is None:
+            bounded = False
+            if plain_fits is not None and not config.meta:
+                known = next((c for c in (PROFILES.get(PROFILES.key(model, cap, dataclasses.replace(config, bounded=b)))
+                                          for b in (False, True)) if c is not None), None)
+                if known is not None:  # this process profiled it: its bytes decide
+                    bounded = not plain_fits(known)
+                else:
+                    bytes_stage.enter_context(stage("bytes", "fake tensors first: does the plain step fit the budget?"))
+                    fake = fake_profile(cap, config)
+                    bounded = not plain_fits(fake[0])
+            config = dataclasses.replace(config, bounded=bounded)
+        memo = PROFILES.key(model, cap, config)
+        cost = PROFILES.get(memo)
+        if cost is not None:
+            bytes_stage.close()
+            with stage("profile", "reused: this process measured the same graph, weights and inputs"):
+                return cost
+        if check_bytes is not None and needs_bytes_pass(config):
+            if fake is None:
+                bytes_stage.enter_context(stage("bytes", "one recorded step, no timing: can the budget be met?"))
+            check_bytes(profile(cap, bytes_config(config), fake=fake))
+    whole = not (config.bounded and not config.meta)
+    what = "meta tensors" if config.meta else "running each node" if whole else (
+        "a stage at a time: bytes on fake tensors, each stage's own step on real ones")
+    with stage("profile", what):
+        cost = profile(cap, config, fake=fake)
+    logger.info("profile: %d nodes%s, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
+                f" in {len(cost.stages)} stages" if cost.stages else "", cost.total_saved_bytes / 1e6,
+                cost.total_time * 1e3, cost.time_source)
+    if not whole and check_bytes is not None and not needs_bytes_pass(config):
+        check_bytes(cost)  # a profile on FLOP times is its own bytes pass
+    if whole and config.overheads and cost.time_source != "flops":  # FLOP times have no step to time
         with stage("step times", "the eager step, the captured graph and one calibration step"):
             cost = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
     PROFILES.put(memo, cost)

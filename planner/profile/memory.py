@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..progress import native_stderr_dropped
 
-__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "measure_step_peaks", "storage_key"]
+__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "device_room", "measure_step_peaks",
+           "storage_key"]
 
 
 def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
@@ -264,3 +265,27 @@ def measure_step_peaks(
         loss_fn(out).backward()
     allocator = resident + meter.peak if meter.available else mem.peak
     return StepPeaks(allocator=int(allocator), live=int(mem.peak)), out
+
+
+def device_room(device: torch.device | str) -> int | None:
+    """Bytes the device can still allocate to this process: on CUDA, the least of what is free and what
+    the process's memory fraction leaves; on the CPU, the memory the system reports available. None
+    where it cannot be read."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            cap = int(torch.cuda.get_per_process_memory_fraction(device) * total) - torch.cuda.memory_reserved(device)
+            return max(0, min(free, cap))
+        if device.type == "cpu":
+            try:
+                with open("/proc/meminfo") as f:
+                    for line in f:
+                        if line.startswith("MemAvailable:"):
+                            return int(line.split()[1]) * 1024
+            except OSError:
+                pass
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (RuntimeError, ValueError, OSError, AttributeError):
+        return None
+    return None

@@ -3,6 +3,7 @@ checked, nothing alarms without cause, and an infeasible budget is refused befor
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import re
@@ -165,28 +166,33 @@ def test_plan_without_regions_runs_the_model_and_predicts_no_overhead():
     assert none.module is model and none.predicted_overhead == 0.0
 
 
-def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("bounded", [None, False], ids=["stagewise", "whole"])
+def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch, tmp_path, caplog, bounded):
     """Times measured later are lower here (a machine that got quieter): the second call must not see them,
-    or a tighter budget could look cheaper than a looser one."""
+    or a tighter budget could look cheaper than a looser one. Both budgets are below the plain step: by
+    default profiled a stage at a time, else whole."""
     from ckpt_planner.profile.bytes_pass import PROFILES
 
     monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
     PROFILES.clear()
-    profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
-    real, calls = profile_mod.robust_times, []
+    real, calls = importlib.import_module("ckpt_planner.profile.timing").robust_times, []
 
     def quieter(samples):
         calls.append(1)
         return {k: v / 4 ** len(calls) for k, v in real(samples).items()}
 
-    monkeypatch.setattr(profile_mod, "robust_times", quieter)
+    for module in ("profiler", "stagewise"):
+        monkeypatch.setattr(importlib.import_module(f"ckpt_planner.profile.{module}"), "robust_times", quieter)
     torch.manual_seed(0)
     model, x = MLPChain(d=64, blocks=6), torch.randn(256, 64)
+    config = dataclasses.replace(MEASURED, bounded=bounded)
     with caplog.at_level(logging.INFO, logger="ckpt_planner"):
-        loose = optimize(model, (x,), activation_budget=0.7, solver="dp", profile_config=MEASURED)
-        tight = optimize(model, (x,), activation_budget=0.55, solver="dp", profile_config=MEASURED)
+        loose = optimize(model, (x,), activation_budget=0.7, solver="dp", profile_config=config)
+        tight = optimize(model, (x,), activation_budget=0.55, solver="dp", profile_config=config)
     profiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: start")]
-    assert len(calls) == 1 and profiles == ["profile: start (running each node)",
+    first = ("profile: start (a stage at a time: bytes on fake tensors, each stage's own step on real ones)"
+             if bounded is None else "profile: start (running each node)")
+    assert len(calls) == 1 and profiles == [first,
                                             "profile: start (reused: this process measured the same graph, weights and inputs)"]
     assert _stages(caplog).count("bytes") == 1  # the second call has its profile: nothing to time, no byte pass
     assert [n.time for n in tight.problem.nodes] == [n.time for n in loose.problem.nodes]
@@ -195,7 +201,7 @@ def test_a_second_plan_in_one_process_is_priced_on_the_first_profile(monkeypatch
     assert tight.predicted_step_s >= loose.predicted_step_s
     x2 = x.clone()
     x2[0, 0] += 1  # other input values: measured afresh
-    optimize(model, (x2,), activation_budget=0.55, solver="dp", profile_config=MEASURED)
+    optimize(model, (x2,), activation_budget=0.55, solver="dp", profile_config=config)
     assert len(calls) == 2
 
 
@@ -226,17 +232,18 @@ def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monk
     bytes_pass = importlib.import_module("ckpt_planner.profile.bytes_pass")
     profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
 
-    real = profile_mod._profile_real
-
     def no_timing(*args, **kwargs):
         raise AssertionError("the model was timed for a budget that cannot be met")
 
-    def untimed_only(gm, flat, config, dev):
-        if not config.flop_times:
-            no_timing()
-        return real(gm, flat, config, dev)
+    def untimed_only(real):
+        def run(gm, flat, config, *rest):
+            if not config.flop_times:
+                no_timing()
+            return real(gm, flat, config, *rest)
+        return run
 
-    monkeypatch.setattr(profile_mod, "_profile_real", untimed_only)
+    for name in ("_profile_real", "_profile_bounded"):  # the step whole, or a stage at a time
+        monkeypatch.setattr(profile_mod, name, untimed_only(getattr(profile_mod, name)))
     monkeypatch.setattr(bytes_pass, "with_step_times", no_timing)
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, use_cache=False)
@@ -249,7 +256,7 @@ def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monk
     assert any(r.getMessage().startswith("bytes: failed after") for r in caplog.records)  # the stage and its seconds
     # The byte pass names the budget the whole pipeline names (bytes alone decide).
     with pytest.raises(InfeasibleBudgetError) as full:
-        Planner(model, batch, profile_config=FAST).plan(budget_gb=0.05)
+        optimize(model, batch, budget_gb=0.05, profile_config=FAST)
     assert refused.value.smallest_bytes == full.value.smallest_bytes
 
 

@@ -150,12 +150,18 @@ def test_where_the_plain_step_fits_the_profile_is_the_whole_steps():
     assert "profile" not in plan.stats
 
 
-def test_a_budget_below_what_planning_needs_names_the_least_it_needs():
+def test_a_budget_below_what_planning_needs_names_the_least_it_needs(monkeypatch):
+    from ckpt_planner.choose import budget as budget_module
+
     torch.manual_seed(0)
     model, inputs = Blocks(blocks=4, depth=4), (torch.randn(1024, 128),)  # deep blocks: finer plans go lower
     planner = Planner(model, inputs, profile_config=dataclasses.replace(FLOPS, bounded=True))
     p = planner.profiled
     need = simulate(p.problem, p.reference_regions).peak_bytes
+    # the device has room for the check: it runs above the budget, and the plan says so
+    roomy = optimize(model, inputs, budget_bytes=int(need * 0.9), profile_config=FLOPS)
+    assert any("the check ran the step checkpointed per block" in n for n in roomy.notes)
+    monkeypatch.setattr(budget_module, "device_room", lambda device: 0)  # a device capped at the budget
     with pytest.raises(InfeasibleBudgetError, match="checking the plan runs the step checkpointed per block") as info:
         optimize(model, inputs, budget_bytes=int(need * 0.9), profile_config=FLOPS)
     least = info.value.smallest_bytes
