@@ -297,12 +297,12 @@ def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tup
 
 def device_measure(
     model: torch.nn.Module, graph: torch.fx.GraphModule, args: tuple, kwargs: dict, device: torch.device,
-    build: Callable[[tuple, tuple, tuple], torch.nn.Module], baseline: tuple | None = (),
+    build: Callable[[tuple, tuple, tuple], torch.nn.Module], baseline: tuple | None = ((), (), ()),
 ) -> Measure:
     """The measurement on the device: `build(regions, saved, modules)` gives a candidate's module (the
     rewriter, or the model with whole `modules` checkpointed); each round also times the `baseline`
-    plan's step (the plain graph, or the step checkpointed per block where the plain step was never run;
-    None: no baseline, where that step would not fit the budget either);
+    plan's step, `build(*baseline)` (the plain graph; or where the plain step was never run, the model's
+    own code checkpointed per block; None: no baseline, where that step would not fit the budget either);
     its peak is one step on the allocator meter, its times those of interleaved timed steps. The
     caller restores the model's state (gradients, buffers, RNG)."""
     params = list(model.parameters())
@@ -329,7 +329,7 @@ def device_measure(
         peaks = [peak(m) for m in modules]
         everyone = [*modules]
         if baseline is not None:
-            everyone.insert(0, build(tuple(baseline), (), ()))
+            everyone.insert(0, build(*baseline))
             step(everyone[0])  # warm-up
         first = 0 if baseline is None else 1  # index of the first candidate in `everyone`
         times: list[list[float]] = [[] for _ in modules]
@@ -444,7 +444,7 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
     # Rounds are paired with the plain graph's step; where profiling never ran it, with the step
     # checkpointed per block if that fits the budget (else unpaired), and they teach the refit nothing.
     reference = p.reference_regions
-    baseline = reference if not reference or p.reference_fits(budget) else None
+    baseline = (reference, (), p.reference_paths) if not reference or p.reference_fits(budget) else None
     measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build, baseline=baseline)
     with ModelState(model).preserved():
         return autotune_solution(

@@ -16,6 +16,7 @@ from ..capture.frozen import ValueGuard
 from ..capture.own_checkpoint import own_spans
 from ..capture.trace import Capture
 from ..distributed import optimizer_state_bytes, shard_problem
+from ..lower.apply import whole_module_spans
 from ..lower.chunk import ChunkSpec
 from ..profile.graph import CostGraph
 from ..profile.profiler import ProfileConfig
@@ -62,7 +63,7 @@ class Profiled:
     values: ValueGuard | None = None
     """Python values the graph holds as constants, checked before each training call of plan.module."""
     floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
-    _reference: Regions | None = None
+    _reference: tuple[Regions, tuple[str, ...]] | None = None
 
     @property
     def profile_config(self) -> ProfileConfig:
@@ -100,14 +101,30 @@ class Profiled:
 
     @property
     def reference_regions(self) -> Regions:
-        """The step a plan's is checked and raced against: the plain step (no region) where profiling ran
-        it; the step checkpointed per block where the plain step was never run (a stage-wise profile,
-        `cost.stages`), so that nothing after profiling needs more memory than the budget either."""
+        """The node spans of the reference step's checkpointed blocks (see `reference_paths`); () for the
+        model's own step."""
+        return self._reference_plan()[0]
+
+    @property
+    def reference_paths(self) -> tuple[str, ...]:
+        """The step a plan's is checked and raced against. Where profiling ran the plain step: the model's
+        own (no path). Where it never did (a stage-wise profile, `cost.stages`), so that nothing after
+        profiling needs the plain step's memory: the model's own code with each numbered block under
+        torch.utils.checkpoint, as transformers' per-layer checkpointing runs it (torch's checkpoint, not
+        this planner's rewrite, so a recompute the planner gets wrong cannot hide in the reference). The
+        model's own step where its blocks are not whole modules, or checkpointing them saves nothing."""
+        return self._reference_plan()[1]
+
+    def _reference_plan(self) -> tuple[Regions, tuple[str, ...]]:
         if self._reference is None:
-            blocks = per_block_regions(self.problem, self.capture.graph_module) if self.cost.stages else ()
-            # where checkpointing per block saves nothing (a head-heavy graph), the plain step is the reference
-            smaller = blocks and simulate(self.problem, blocks).peak_bytes < self.no_checkpoint_peak_bytes
-            self._reference = blocks if smaller else ()
+            self._reference = ((), ())
+            if self.cost.stages and whole_modules_allowed(self):
+                blocks = per_block_regions(self.problem, self.capture.graph_module)
+                whole = whole_module_spans(self.problem, self.model, blocks) if blocks else None
+                if whole:
+                    spans = tuple(span for span, _ in whole)
+                    if simulate(self.problem, spans).peak_bytes < self.no_checkpoint_peak_bytes:
+                        self._reference = (spans, tuple(path for _, path in whole))
         return self._reference
 
     def reference_fits(self, budget: int) -> bool:

@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import InexactPlanError
+from ..lower.apply import checkpointed_copy
 from ..lower.rewrite import rewrite
 from ..model_state import ModelState
 from ..profile.loss import default_loss
@@ -138,8 +139,8 @@ def inexact_parts(
 
 def reference_module(p: Profiled) -> torch.nn.Module | None:
     """The module whose step stands for the model's (None: the model's own): the graph checkpointed per
-    block where the plain step was never run (`Profiled.reference_regions`)."""
-    return rewrite(p.capture.graph_module, p.reference_regions, model=p.model) if p.reference_regions else None
+    block, in the model's own code, where the plain step was never run (`Profiled.reference_paths`)."""
+    return checkpointed_copy(p.model, p.reference_paths) if p.reference_paths else None
 
 
 def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | None,

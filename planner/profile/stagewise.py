@@ -6,7 +6,8 @@ What only real kernels show is measured here, a stage at a time:
 
 - each node's time (timed runs, as the whole-graph profile times them);
 - the allocator's peak while a node runs above what it leaves (kernel workspaces: oneDNN, BLAS packing);
-- the allocator's peak in each node's backward step above the live tensors (the backward's workspaces).
+- the allocator's peak in each node's backward step above the live tensors (the backward's workspaces);
+- which nodes draw random numbers where fake tensors cannot show it (a custom kernel moving a generator).
 
 A stage is a run of nodes of one numbered block (`model.layers.3`), or a piece of a run between blocks
 (the embedding, the head and its loss), at most about n / sqrt(n) nodes long: a graph without blocks is
@@ -34,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.rng import RANDOM_META, UNREPLAYABLE_META, SeededOps, generator_states, moved, rng_state_bytes
 from .graph import CostGraph
 from .memory import AllocatorMeter, LiveMemory
 from .record import CostProfiler, strided_tensors
@@ -96,6 +98,10 @@ class StageFigures:
     """The allocator's peak in the node's backward step above the live tensors then (bytes)."""
     measured: int = 0
     """Stages measured (the others repeat one of them)."""
+    random: set[str] = field(default_factory=set)
+    """Nodes seen drawing random numbers on real tensors."""
+    unreplayable: set[str] = field(default_factory=set)
+    """Nodes whose draw a recompute cannot replay (capture/rng.py)."""
 
 
 def _detached(value: Any) -> Any:
@@ -150,6 +156,25 @@ class _StageRunner:
             self.interp.env[n] = out
             if grad_fns:
                 self.interp._own_grad_fns(n, out)
+        env, self.interp.env = self.interp.env, {}
+        return {n: env[n] for n in nodes}
+
+    def watched(self, span: Span, figures: StageFigures) -> dict[fx.Node, Any]:
+        """One forward of the span that records which nodes draw random numbers on real tensors: an op
+        tagged as seeded, or a generator whose state moves (a custom kernel's draw, which fake tensors
+        cannot show)."""
+        nodes = self.nodes(span)
+        inside = set(nodes)
+        self.interp.env = {a: self.values[a] for n in nodes for a in n.all_input_nodes if a not in inside}
+        with SeededOps() as seeded:
+            for n in nodes:
+                seeded.node, before = n.name, generator_states()
+                self.interp.env[n] = self.interp.run_node(n)
+                seeded.node = None
+                if moved(before):
+                    figures.random.add(n.name)
+        figures.random |= seeded.random
+        figures.unreplayable |= seeded.unreplayable
         env, self.interp.env = self.interp.env, {}
         return {n: env[n] for n in nodes}
 
@@ -234,13 +259,14 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
         for k, span in enumerate(spans):
             key = stage_key(bytes_cost, span)
             if key in first:  # measured already: forward only, for the values the next spans read
-                env = runner.run(span)
+                env = runner.watched(span, figures)
                 copies.append((runner.nodes(first[key]), runner.nodes(span)))
                 runner.keep(k, span, env)
                 del env  # its graph and saved tensors: not held into the next stage
                 continue
             first[key] = span
             figures.measured += 1
+            runner.watched(span, figures)
             if timed:
                 for i in range(warmup + repeats):
                     if i == warmup:
@@ -272,6 +298,11 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
             del env
         figures.times = dict(runner.interp.times) if timed else {}
         _copy(figures, copies)
+        for n in runner.compute:  # what the fake run could not see, seen here (a recompute saves the state)
+            if n.name in figures.random:
+                n.meta[RANDOM_META] = True
+            if n.name in figures.unreplayable:
+                n.meta[UNREPLAYABLE_META] = True
     finally:
         for p, g in zip(params, grads):
             p.grad = g
@@ -291,12 +322,15 @@ def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span
     """The fake profile `cost` with the stages' real figures: measured times (where timed), forward
     temporaries at least the allocator's, and the backward's workspaces added to its temporaries."""
     times = robust_times(figures.times) if figures.times else {}
+    state = rng_state_bytes(torch.device(cost.device))
     nodes = tuple(
         replace(
             n,
             time=times.get(n.name, n.time),
             temp_bytes=max(n.temp_bytes, figures.forward_temp.get(n.name, 0)),
             backward_temp_bytes=n.backward_temp_bytes + max(0, figures.backward_extra.get(n.name, 0)),
+            rng_state_bytes=state if n.name in figures.random else n.rng_state_bytes,
+            recomputable=n.recomputable and n.name not in figures.unreplayable,
         )
         for n in cost.nodes
     )
