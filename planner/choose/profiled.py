@@ -121,6 +121,7 @@ class Profiled:
             if self.cost.stages and whole_modules_allowed(self):
                 blocks = per_block_regions(self.problem, self.capture.graph_module)
                 whole = whole_module_spans(self.problem, self.model, blocks) if blocks else None
+                whole = _repeated(self.model, whole or [])
                 if whole:
                     spans = tuple(span for span, _ in whole)
                     if simulate(self.problem, spans).peak_bytes < self.no_checkpoint_peak_bytes:
@@ -162,6 +163,19 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
         own_unplaced=unplaced, chunks=list(chunks or []), capture_notes=list(capture_notes or []),
         dist_notes=list(dist_notes),
     )
+
+
+def _repeated(model: torch.nn.Module, whole: list[tuple[tuple[int, int], str]]) -> list[tuple[tuple[int, int], str]]:
+    """The (span, path) of modules that are one of several siblings of their class (`layers.0`..`layers.N`),
+    not the numbered parts of one heterogeneous Sequential (a stem's BatchNorm and ReLU, whose own
+    checkpoint would hold more than it frees)."""
+    def key(path: str) -> tuple[str, str]:
+        return path.rpartition(".")[0], type(model.get_submodule(path)).__name__
+
+    counts: dict[tuple[str, str], int] = {}
+    for _, path in whole:
+        counts[key(path)] = counts.get(key(path), 0) + 1
+    return [(span, path) for span, path in whole if counts[key(path)] >= 2]
 
 
 def whole_modules_allowed(p: Profiled) -> bool:
