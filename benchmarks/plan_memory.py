@@ -112,16 +112,46 @@ def llama_of_depth(layers: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def depth_row(layers: int, path: str) -> dict[str, Any]:
-    """Wall seconds of `optimize` at per-layer checkpointing's peak (no meter around the call)."""
+    """Wall seconds of `optimize` at per-layer checkpointing's peak (no meter around the call), with an
+    empty timing store: a first plan, as a new user makes it (autotune races, nothing reused)."""
+    import logging
+    import tempfile
+
     torch.manual_seed(0)
     model, inputs = llama_of_depth(layers)
     model.train()
     _per_layer(model, True)
     budget = _step_peak(model, inputs)
     _per_layer(model, False)
-    t0 = time.perf_counter()
-    optimize(model, inputs, budget_bytes=budget, profile_config=ProfileConfig(bounded=None if path == "bounded" else False))
-    return {"layers": layers, "path": path, "budget_mb": budget / MB, "wall_s": time.perf_counter() - t0}
+    stages: dict[str, float] = {}
+
+    class Stages(logging.Handler):  # "<stage>: done in <s> s" lines of the planner's log
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if ": done in " in text:
+                name, rest = text.split(": done in ", 1)
+                stages[name] = stages.get(name, 0.0) + float(rest.split()[0])
+
+    log = logging.getLogger("ckpt_planner")
+    handler, level = Stages(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    saved = os.environ.get("CKPT_PLANNER_TIMINGS")
+    try:
+        with tempfile.TemporaryDirectory() as store:
+            os.environ["CKPT_PLANNER_TIMINGS"] = store
+            t0 = time.perf_counter()
+            optimize(model, inputs, budget_bytes=budget,
+                     profile_config=ProfileConfig(bounded=None if path == "bounded" else False))
+            wall = time.perf_counter() - t0
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        if saved is None:
+            os.environ.pop("CKPT_PLANNER_TIMINGS", None)
+        else:
+            os.environ["CKPT_PLANNER_TIMINGS"] = saved
+    return {"layers": layers, "path": path, "budget_mb": budget / MB, "wall_s": wall, "stages_s": stages}
 
 
 def _split(inputs: Any) -> tuple[tuple, dict]:
@@ -205,12 +235,16 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
     out.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "rows": rows, "depth": depth, "zoo": zoo}
     old = out / "plan_memory.json"
-    if old.exists():  # a section not run this time is kept as the last run wrote it
+    if old.exists():  # rows not measured this time are kept as the last run wrote them, dated
         kept = json.loads(old.read_text())
-        for key in ("rows", "depth", "zoo"):
-            if not data[key] and kept.get(key):
-                data[key] = kept[key]
-                meta[f"{key}_measured"] = kept.get("meta", {}).get(f"{key}_measured", kept.get("meta", {}).get("when"))
+        when = kept.get("meta", {}).get("when")
+        for key, ident in (("rows", ("model", "path")), ("depth", ("layers", "path")), ("zoo", ("model",))):
+            fresh = {tuple(r[i] for i in ident) for r in data[key]}
+            older = [{"measured": when, **r} for r in kept.get(key, []) if tuple(r[i] for i in ident) not in fresh]
+            data[key] = older + data[key]
+    order = list(CASES)
+    data["rows"].sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order), r["path"]))
+    data["depth"].sort(key=lambda r: (r["path"], r["layers"]))
     rows, depth, zoo = data["rows"], data["depth"], data["zoo"]
     (out / "plan_memory.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = [
@@ -224,6 +258,7 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        r = {**r, "model": r["model"] + (f" (run of {r['measured']})" if r.get("measured") else "")}
         if "error" in r:
             lines.append(f"| {r['model']} | {r['path']} | {r['plain_mb']:.1f} | {r['budget_mb']:.1f} | {r['error']} | | | | | {r['wall_s']:.1f} |")
             continue
@@ -235,12 +270,16 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
     if depth:
         lines += ["", f"Planning time against depth: the Llama shape at width 256, 512 tokens, batch 2, budget at "
                   f"per-layer checkpointing's peak; `optimize` with its defaults (timed profile, safety net, "
-                  f"autotune). Target: {DEPTHS[-1]} layers in at most 3x the time of {DEPTHS[0]}.", "",
+                  f"autotune), each run with an empty timing store (a first plan). Target: {DEPTHS[-1]} layers in at most 3x the time of {DEPTHS[0]}.", "",
                   "| path | " + " | ".join(f"{d} layers s" for d in DEPTHS) + " | ratio |",
                   "|---|" + "---|" * (len(DEPTHS) + 1)]
         for path in dict.fromkeys(r["path"] for r in depth):
             walls = [next(r["wall_s"] for r in depth if r["path"] == path and r["layers"] == d) for d in DEPTHS]
             lines.append(f"| {path} | " + " | ".join(f"{w:.1f}" for w in walls) + f" | {walls[-1] / walls[0]:.2f}x |")
+        lines += ["", "Seconds per stage (the planner's log):", "", "| path | layers | stages |", "|---|---|---|"]
+        for r in depth:
+            split = ", ".join(f"{k} {v:.1f}" for k, v in r.get("stages_s", {}).items())
+            lines.append(f"| {r['path']} | {r['layers']} | {split} |")
     if zoo:
         lines += ["", f"The zoo (tests/models/zoo.py) on each profile: FLOP times, solver dp, {ZOO_FRACTION} of its "
                   "activations. Error: predicted over the plan's measured peak, less one.", "",

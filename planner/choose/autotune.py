@@ -443,13 +443,13 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
 
     # Rounds are paired with the plain graph's step; where profiling never ran it, with the step
     # checkpointed per block if that fits the budget (else unpaired), and they teach the refit nothing.
-    reference = p.reference_regions
-    baseline = (reference, (), p.reference_paths) if not reference or p.reference_fits(budget) else None
+    spans = p.reference_regions
+    baseline = (spans, (), p.reference_paths) if not spans or p.reference_fits(budget) else None
     measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build, baseline=baseline)
     with ModelState(model).preserved():
         return autotune_solution(
             p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=p.store(),
             key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
-            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not reference,
+            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not spans,
             modules=modules if whole_modules_allowed(p) else None,
         )
