@@ -153,8 +153,6 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
     logger.info("profile: %d nodes%s, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
                 f" in {len(cost.stages)} stages" if cost.stages else "", cost.total_saved_bytes / 1e6,
                 cost.total_time * 1e3, cost.time_source)
-    if not whole and check_bytes is not None and not needs_bytes_pass(config):
-        check_bytes(cost)  # a profile on FLOP times is its own bytes pass
     if whole and config.overheads and cost.time_source != "flops":  # FLOP times have no step to time
         with stage("step times", "the eager step, the captured graph and one calibration step"):
             cost = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
