@@ -274,11 +274,14 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
                   "| path | " + " | ".join(f"{d} layers s" for d in DEPTHS) + " | ratio |",
                   "|---|" + "---|" * (len(DEPTHS) + 1)]
         for path in dict.fromkeys(r["path"] for r in depth):
-            walls = [next(r["wall_s"] for r in depth if r["path"] == path and r["layers"] == d) for d in DEPTHS]
-            lines.append(f"| {path} | " + " | ".join(f"{w:.1f}" for w in walls) + f" | {walls[-1] / walls[0]:.2f}x |")
+            got = [next(r for r in depth if r["path"] == path and r["layers"] == d) for d in DEPTHS]
+            walls = [r["wall_s"] for r in got]
+            when = {r.get("measured") for r in got} - {None}
+            label = path + (f" (run of {', '.join(sorted(when))}; timing store not emptied)" if when else "")
+            lines.append(f"| {label} | " + " | ".join(f"{w:.1f}" for w in walls) + f" | {walls[-1] / walls[0]:.2f}x |")
         lines += ["", "Seconds per stage (the planner's log):", "", "| path | layers | stages |", "|---|---|---|"]
         for r in depth:
-            split = ", ".join(f"{k} {v:.1f}" for k, v in r.get("stages_s", {}).items())
+            split = ", ".join(f"{k} {v:.1f}" for k, v in r.get("stages_s", {}).items()) or "not recorded in that run"
             lines.append(f"| {r['path']} | {r['layers']} | {split} |")
     if zoo:
         lines += ["", f"The zoo (tests/models/zoo.py) on each profile: FLOP times, solver dp, {ZOO_FRACTION} of its "
