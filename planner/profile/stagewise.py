@@ -144,11 +144,16 @@ class _StageRunner:
     def nodes(self, span: Span) -> list[fx.Node]:
         return self.compute[span[0]: span[1] + 1]
 
-    def run(self, span: Span, meter: AllocatorMeter | None = None, grad_fns: bool = False) -> dict[fx.Node, Any]:
-        """One forward of the span from the kept values; the span's own values, by node."""
+    def _seeded(self, span: Span) -> list[fx.Node]:
+        """The span's nodes, with the interpreter's environment holding the kept values they read."""
         nodes = self.nodes(span)
         inside = set(nodes)
         self.interp.env = {a: self.values[a] for n in nodes for a in n.all_input_nodes if a not in inside}
+        return nodes
+
+    def run(self, span: Span, meter: AllocatorMeter | None = None, grad_fns: bool = False) -> dict[fx.Node, Any]:
+        """One forward of the span from the kept values; the span's own values, by node."""
+        nodes = self._seeded(span)
         for n in nodes:
             if meter is not None:
                 meter.mark(n.name)
@@ -163,9 +168,7 @@ class _StageRunner:
         """One forward of the span that records which nodes draw random numbers on real tensors: an op
         tagged as seeded, or a generator whose state moves (a custom kernel's draw, which fake tensors
         cannot show)."""
-        nodes = self.nodes(span)
-        inside = set(nodes)
-        self.interp.env = {a: self.values[a] for n in nodes for a in n.all_input_nodes if a not in inside}
+        nodes = self._seeded(span)
         with SeededOps() as seeded:
             for n in nodes:
                 seeded.node, before = n.name, generator_states()
@@ -202,8 +205,7 @@ _BACKWARD = "backward of "  # the allocator window of a node's backward step
 _SEEDS = "<the boundary's gradients>"  # the allocator window where the backward's seeds are made
 
 
-def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], meter: AllocatorMeter,
-              figures: StageFigures) -> dict[str, int]:
+def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], meter: AllocatorMeter) -> dict[str, int]:
     """The span's backward from its boundary (gradients of ones, as a summed loss gives), in the meter that
     saw its forward; per node, how far the live tensors rose in its backward step (bytes)."""
     roots = runner.boundary(k, span, env)
@@ -278,7 +280,7 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
             gc.collect()
             with AllocatorMeter(device if allocator else "meta") as meter:
                 env = runner.run(span, meter, grad_fns=True)
-                rise = _backward(runner, k, span, env, meter, figures) if meter.available else {}
+                rise = _backward(runner, k, span, env, meter) if meter.available else {}
             for n in runner.nodes(span):  # the metered run is not one of the timed runs
                 runner.interp.times[n.name].pop()
             for w in meter.windows():
