@@ -69,6 +69,20 @@ def _values_key(tree: Any) -> str:
     return h.hexdigest()
 
 
+def ambient_key() -> tuple:
+    """The process state that changes what a step saves without changing its graph: autocast (on and its
+    dtype, per device type), grad mode, the default dtype and deterministic algorithms. A symbolic_trace
+    graph runs under whatever autocast its caller set, so a bf16 profile must never serve an fp32 call."""
+    casts = []
+    for device_type in ("cpu", "cuda"):
+        try:
+            casts.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
+        except (RuntimeError, TypeError, AttributeError):  # a torch without the per-device query
+            casts.append((device_type, None, None))
+    return (tuple(casts), torch.is_grad_enabled(), torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled())
+
+
 class ProfileMemo:
     """Measured profiles of this process, newest last (at most `size`)."""
 
@@ -83,7 +97,8 @@ class ProfileMemo:
         if not needs_bytes_pass(config) or not config.timing_store or folder is None:
             return None
         state = _values_key(list(model.parameters()) + list(model.buffers()))
-        return (cap.graph_module.code, cap.method, state, _values_key((cap.args, cap.kwargs)), repr(config), str(folder), extra)
+        return (cap.graph_module.code, cap.method, state, _values_key((cap.args, cap.kwargs)), ambient_key(),
+                repr(config), str(folder), extra)
 
     def get(self, key: tuple | None) -> CostGraph | None:
         if key is None or key not in self._items:
