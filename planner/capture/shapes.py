@@ -91,12 +91,16 @@ def export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
     """torch.export with every tensor dimension dynamic; (program, True), else static (program, False).
 
     A model that pins a size in a way export cannot express symbolically is exported static; its plan
-    then re-plans for any other shape.
+    then re-plans for any other shape. Inputs on the meta device are exported static: their module never
+    runs a step, so dynamic sizes would buy nothing, and symbolic shapes double the time export takes
+    (14 against 7.5 s for a Llama-2-7B).
     """
-    try:
-        dynamic = dynamic_shapes_for(model, args, kwargs)
-    except TypeError:  # a forward whose signature the inputs do not bind to: let export report it
-        dynamic = None
+    dynamic = None
+    if not _on_meta(args, kwargs):
+        try:
+            dynamic = dynamic_shapes_for(model, args, kwargs)
+        except TypeError:  # a forward whose signature the inputs do not bind to: let export report it
+            pass
     with _quiet_symbolic_shapes():
         if dynamic is not None:
             try:
@@ -106,6 +110,10 @@ def export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
             except Exception:  # noqa: BLE001 - any other failure: the static export below reports its own
                 pass
         return torch.export.export(model, args, kwargs, strict=False), False
+
+
+def _on_meta(args: tuple, kwargs: dict[str, Any]) -> bool:
+    return any(t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager
