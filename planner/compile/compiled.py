@@ -37,10 +37,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 from torch.utils import _pytree as pytree
 
+from ..capture.shapes import ShapeGuard, input_shapes
 from ..choose.base import BasePlanner
 from ..errors import InputError
+from ..lower.rewrite import rewrite
 from ..plan import Plan
 from ..settings import LOWERINGS, PlanRequest
 from ..solvers.registry import InfeasibleBudgetError
@@ -182,6 +185,14 @@ class CompiledPlanner(BasePlanner):
     def plan_for(self, request: PlanRequest) -> Plan:
         """A compiled plan whose measured peak is within the budget, lowered as `self.lowering` says; "best"
         lowers it both ways and keeps the faster one that fits."""
+        try:
+            return self._plan_for(request)
+        except TorchDynamoException as e:  # dynamo's and inductor's failures: one line
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise InputError(f"compile: torch.compile could not compile the planned step ({type(e).__name__}: "
+                             f"{first[:300]}); plan it with compile=False") from None
+
+    def _plan_for(self, request: PlanRequest) -> Plan:
         plan_args = request.keywords()  # what the Planner's plan() takes, the budget apart
         budgets = {k: plan_args.pop(k) for k in ("budget_gb", "budget_bytes", "activation_budget")}
         knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
@@ -270,6 +281,13 @@ class CompiledPlanner(BasePlanner):
         if base.regions:
             raise InputError("lowering 'knapsack': the step with no checkpoint regions did not plan empty; "
                              "use lowering='regions'")
+        if base.module is planner.model:
+            # The captured graph, not the model's own code: that may log or branch in Python (transformers'
+            # loss logs a warning once), which fullgraph compilation refuses, while the graph holds only ops.
+            cap = planner.capture
+            base.module = rewrite(cap.graph_module, [], model=planner.model)
+            guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
+            object.__setattr__(base.module, "shape_guard", guard)
         return base
 
     def _knapsack_lowering(self, plan_args: dict[str, Any]) -> KnapsackLowering:

@@ -9,6 +9,7 @@ without compiling, on a stand-in measurement.
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -221,3 +222,25 @@ def test_cli_compile_plans_and_records_the_measured_peak(tmp_path, scale, capsys
     code = main(["plan", f"{tmp_path}/f.py:make", "--compile", "--verify", "--activation-budget", "0.6"])
     err = capsys.readouterr().err
     assert code == 2 and "drop --verify" in err and len(err.strip().splitlines()) == 1
+
+
+class Logs(nn.Module):
+    """Logs once per call, as transformers' loss does: fullgraph compilation refuses a Logger method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = _model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logging.getLogger("ckpt_planner.tests.logs").warning("a warning from the model's own code")
+        return self.blocks(x)
+
+
+def test_knapsack_lowering_compiles_the_graph_of_a_model_that_logs(caplog):
+    torch.manual_seed(0)
+    model, x = Logs(), torch.randn(32, 64, 16)
+    planner = Planner(model, (x,), profile_config=FAST)
+    plan = CompiledPlanner(planner, lowering="knapsack").plan(budget_bytes=planner.baseline_peak_bytes)
+    assert isinstance(plan.module, CompiledPlanModule) and plan.module.eager is not model
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    assert_trains(plan.module, model, x)
