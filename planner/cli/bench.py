@@ -2,7 +2,8 @@
 
 `bench` plans, verifies, times and traces one training step per solver on a
 `planner.api.Planner`; `ckpt-planner bench` writes its result, and
-`ckpt-planner report --bench` plots the measured timelines beside the predicted ones.
+`ckpt-planner report --bench` plots the measured timelines beside the predicted ones, reading the file
+back with `load_bench_file`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from .report import _fmt_bytes, fits_text
 from .report_data import _downsample
 
-__all__ = ["measure_timeline", "step_times", "bench", "bench_table"]
+__all__ = ["measure_timeline", "step_times", "bench", "bench_table", "load_bench_file"]
 
 
 def measure_timeline(
@@ -238,3 +239,18 @@ def bench_table(result: dict[str, Any]) -> str:
             f"{'yes' if r['exact'] else 'NO':<5}  {fits}"
         )
     return "\n".join(lines)
+
+
+def load_bench_file(path: str) -> dict[str, Any]:
+    """A bench file (`ckpt-planner bench -o`), read as data from anywhere: a file of bounded size, JSON that
+    Python reads (no number past its digit limit, no nesting past its recursion limit), within the limits
+    every JSON file the planner reads keeps, with the bench schema. Errors are PlanFileError naming the file."""
+    from ..errors import PlanFileError
+    from ..plan_schema import check_json_limits, read_plan_file
+
+    source = f"bench file {path!r}"
+    data = read_plan_file(path, source)
+    if not isinstance(data, dict) or data.get("schema") != "ckpt-planner/bench":
+        raise PlanFileError(f"{source} is not a ckpt-planner bench file (write one with `ckpt-planner bench -o`)")
+    check_json_limits(data, source)  # finite numbers, 64-bit integers, no lone surrogates, sizes
+    return data

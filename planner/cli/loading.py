@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ..capture.pt2.archive import open_torch_save_file
+from ..capture.pt2.zipcheck import memory_bytes
 from ..capture.trace import normalize_inputs  # what an apply folder's load.py imports: from here alone
 from ..errors import InputError
 from ..profile.loss import default_loss
@@ -77,10 +79,10 @@ class InputSpec:
     """Sizes of the tensor."""
     dtype: torch.dtype = torch.float32
     """Element type."""
-    low: float | None = None
-    """Lower end of the value range (inclusive), or None for the default."""
-    high: float | None = None
-    """Upper end of the value range (exclusive), or None for the default."""
+    low: float | int | None = None
+    """Lower end of the value range (inclusive; an exact int for integer dtypes), or None for the default."""
+    high: float | int | None = None
+    """Upper end of the value range (exclusive; an exact int for integer dtypes), or None for the default."""
     name: str | None = None
     """Keyword-argument name, or None for a positional argument."""
     text: str = ""
@@ -116,20 +118,36 @@ def parse_input_spec(text: str) -> InputSpec:
         dtype = _DTYPES[key]
     low = high = None
     if len(parts) > 2:
-        rm = re.fullmatch(r"\s*(-?[0-9.eE+]+)\s*-\s*(-?[0-9.eE+]+)\s*", parts[2])
-        try:
-            low, high = (float(rm.group(1)), float(rm.group(2))) if rm else (None, None)
-        except ValueError:
-            low = high = None
-        if low is None or high is None or not low < high:
-            raise InputError(f"input {text!r}: range {parts[2]!r} is not LOW-HIGH with LOW < HIGH (e.g. 0-50257)")
+        if len(parts[2]) > _MAX_RANGE_CHARS:
+            raise InputError(f"input {text[:80]!r}: range is longer than {_MAX_RANGE_CHARS} characters; give LOW-HIGH")
         if dtype == torch.bool:
             raise InputError(f"input {text!r}: a value range does not apply to bool")
+        rm = re.fullmatch(r"\s*(-?[0-9.eE+]+)\s*-\s*(-?[0-9.eE+]+)\s*", parts[2])
+        low, high = (_bound(rm.group(1), dtype), _bound(rm.group(2), dtype)) if rm else (None, None)
+        if low is None or high is None or not low < high:
+            raise InputError(f"input {text!r}: range {parts[2]!r} is not LOW-HIGH with LOW < HIGH (e.g. 0-50257)")
         _check_range(text, dtype, low, high)
     return InputSpec(shape=shape, dtype=dtype, low=low, high=high, name=name, text=text)
 
 
-def _check_range(text: str, dtype: torch.dtype, low: float, high: float) -> None:
+_MAX_RANGE_CHARS = 100
+
+
+def _bound(text: str, dtype: torch.dtype) -> float | int | None:
+    """One end of a range: a float, or for an integer dtype the exact integer (a float would round
+    2**63 - 1 up past int64); None when it is not a number."""
+    if not dtype.is_floating_point and re.fullmatch(r"-?[0-9]+", text):
+        return int(text)
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if not dtype.is_floating_point and math.isfinite(value) and value == int(value):
+        return int(value)
+    return value
+
+
+def _check_range(text: str, dtype: torch.dtype, low: float | int, high: float | int) -> None:
     """LOW-HIGH must be finite and representable in the dtype; integer ranges must hold an integer."""
     if not (math.isfinite(low) and math.isfinite(high)):
         raise InputError(f"input {text!r}: range {low:g}-{high:g} is not finite; give finite LOW-HIGH")
@@ -138,21 +156,16 @@ def _check_range(text: str, dtype: torch.dtype, low: float, high: float) -> None
         if low < info.min or high > info.max:
             raise InputError(f"input {text!r}: range {low:g}-{high:g} is outside {dtype} ([{info.min:g}, {info.max:g}])")
         return
-    if low != int(low) or high != int(high):
+    if not (isinstance(low, int) and isinstance(high, int)):
         raise InputError(f"input {text!r}: an integer dtype needs integer LOW-HIGH (e.g. 0-50257), got {low:g}-{high:g}")
     info = torch.iinfo(dtype)
-    if low < info.min or high > info.max + 1:
+    # torch.randint takes HIGH as an int64 too: for int64 itself the largest HIGH is 2**63 - 1
+    top = min(info.max + 1, 2**63 - 1)
+    if low < info.min or high > top:
         raise InputError(
-            f"input {text!r}: range {low:g}-{high:g} is outside {dtype} (LOW >= {info.min}, HIGH <= {info.max + 1})"
+            f"input {text!r}: the range is outside what torch.randint draws for {dtype} "
+            f"(LOW >= {info.min}, HIGH <= {top})"
         )
-
-
-def _memory_bytes() -> int | None:
-    """Physical memory of this machine in bytes, or None when unknown."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _make_tensor(spec: InputSpec, generator: torch.Generator) -> torch.Tensor:
@@ -161,7 +174,11 @@ def _make_tensor(spec: InputSpec, generator: torch.Generator) -> torch.Tensor:
     if spec.dtype.is_floating_point:
         if spec.low is None:
             return torch.randn(spec.shape, generator=generator).to(spec.dtype)
-        return (torch.rand(spec.shape, generator=generator) * (spec.high - spec.low) + spec.low).to(spec.dtype)
+        u = torch.rand(spec.shape, generator=generator)
+        if spec.high - spec.low > torch.finfo(u.dtype).max:  # the width overflows float32: scale each end instead
+            u = u.double()
+            return (spec.low * (1 - u) + spec.high * u).to(spec.dtype)
+        return (u * (spec.high - spec.low) + spec.low).to(spec.dtype)
     low = int(spec.low) if spec.low is not None else 0
     high = int(spec.high) if spec.high is not None else 2
     return torch.randint(low, high, spec.shape, generator=generator, dtype=spec.dtype)
@@ -175,7 +192,7 @@ def make_inputs(specs: Sequence[InputSpec], *, seed: int = 0) -> tuple | dict:
     """
     if not 0 <= seed < 2**64:
         raise InputError(f"seed: {seed} is outside 0 .. 2**64 - 1")
-    limit, total = _memory_bytes(), 0
+    limit, total = memory_bytes(), 0
     for s in specs:
         total += math.prod(s.shape) * (1 if s.dtype == torch.bool else s.dtype.itemsize)
         if limit is not None and total > limit:
@@ -196,10 +213,15 @@ def make_inputs(specs: Sequence[InputSpec], *, seed: int = 0) -> tuple | dict:
 def load_inputs_file(path: str | os.PathLike) -> Any:
     """A torch.save'd tensor, tuple/list of tensors or dict of tensors, loaded with weights_only=True."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise InputError(f"inputs file {str(p)!r} does not exist")
     try:
-        value = torch.load(p, map_location="cpu", weights_only=True)
+        f = open_torch_save_file(p)  # a regular file that fits in memory; a zip laid out and capped before loading
+    except InputError as e:
+        raise InputError(f"inputs file {str(p)!r} {e}") from None
+    try:
+        with f:
+            value = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise InputError(f"inputs file {str(p)!r} cannot be read with weights_only=True: {_first_line(e)}") from None
     if isinstance(value, list):

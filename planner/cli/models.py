@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..capture.archive import load_pt2_safely
+from ..capture.pt2.archive import load_pt2_safely
 from ..errors import InputError
 
 __all__ = ["LoadedModel", "load_model", "model_kind"]

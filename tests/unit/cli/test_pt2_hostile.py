@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_planner.capture.archive import unsafe_members
+from ckpt_planner.capture.pt2.archive import unsafe_members
 from ckpt_planner.cli.commands import main
 from ckpt_planner.cli.loading import load_model
 from ckpt_planner.errors import InputError
@@ -148,7 +148,7 @@ def test_size_expression_that_sympy_would_evaluate_runs_nothing(clean_pt2, tmp_p
 
 
 def test_size_expressions_torch_writes_pass_and_code_does_not():
-    from ckpt_planner.capture.symexpr import ExprError, check_expr
+    from ckpt_planner.capture.pt2.symexpr import ExprError, check_expr
 
     for ok in ("Symbol('s77', positive=True, integer=True)",
                "Add(Mul(Integer(4), Symbol('s77', positive=True, integer=True)), "

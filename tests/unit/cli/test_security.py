@@ -128,7 +128,7 @@ def test_pt2_with_pickled_member_is_refused_and_runs_nothing(clean_pt2, tmp_path
 
 
 def test_pt2_pickled_constant_and_older_layout_are_listed(clean_pt2, tmp_path):
-    from ckpt_planner.capture.archive import unsafe_members
+    from ckpt_planner.capture.pt2.archive import unsafe_members
 
     assert unsafe_members(clean_pt2.read_bytes()) == []
     evil = tmp_path / "const.pt2"

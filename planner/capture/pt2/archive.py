@@ -17,25 +17,34 @@ code a crafted archive carries in several ways:
   ``sympy.sympify``, which evaluates it as Python;
 * it inflates every member it reads, whatever its size.
 
-`load_pt2_safely` reads the file once, and before torch sees the bytes:
+`load_pt2_safely` opens only a regular file no larger than memory allows, and
+refuses one that does not end with a zip end record before reading the rest; it
+reads the file once, and before torch sees the bytes:
 
+* the archive must be laid out so that torch's reader and Python's `zipfile`
+  read the same members from the same bytes (`zipcheck.py`): the central
+  directory where the end record states it, no archive comment, no data before
+  the first member, no two members overlapping, every name UTF-8, and each
+  member's data where torch's reader finds it;
 * every member must be on an allowlist (`_classify`): the one model
   ``models/model.json`` that `torch.export.save` writes, its weights and
   constants configs, the raw tensor files those configs name (never pickled),
-  its sample inputs (loadable with ``weights_only=True``), the archive's
+  its sample inputs (loadable with ``weights_only=True``; when they are a
+  ``torch.save`` zip, that zip passes the same layout checks and its inflated
+  sizes count against the same caps before ``torch.load`` sees it), the archive's
   small format files and ``extra/`` text; anything else is refused;
 * every ``expr_str`` and range-constraint symbol must follow the grammar of
   `symexpr.py` (parsed with `ast`, never evaluated);
 * each member's inflated size is capped by its kind and the total by
   `MAX_TOTAL_BYTES`; compressed members may inflate by `MAX_INFLATION_BYTES`
   in all (`torch.export.save` stores every member uncompressed); the caps are
-  checked on the zip headers and again while reading, since headers can lie;
-* the member list torch's own reader (`torch._C.PyTorchFileReader`) sees must
-  equal Python's `zipfile`'s, so both read the same archive.
+  checked on the zip headers and again while reading, since headers can lie.
 
 torch then loads the very same bytes with ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` set,
 so even a fallback to ``weights_only=False`` inside torch cannot unpickle code.
-``trust_pickle=True`` skips the allowlist and the grammar (the size caps stay).
+``trust_pickle=True`` skips the allowlist and the grammar (the layout checks and
+the size caps stay). `open_torch_save_file` applies the layout checks and caps
+to a ``torch.save`` file (the command line's ``--inputs``) before it is loaded.
 """
 
 from __future__ import annotations
@@ -50,14 +59,15 @@ import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from ..errors import InputError
+from ...errors import InputError
 from .symexpr import ExprError, check_expr, check_symbol_name
+from .zipcheck import MAX_MEMBERS, ZIP_MAGIC, LayoutError, end_record, memory_bytes, open_regular, open_zip
 
-__all__ = ["unsafe_members", "load_pt2_safely"]
+__all__ = ["MAX_MEMBERS", "unsafe_members", "load_pt2_safely", "open_torch_save_file", "memory_bytes"]
 
 MAX_SMALL_BYTES = 1024
 """archive_format, archive_version, byteorder, .data/version, .data/serialization_id."""
@@ -72,7 +82,6 @@ MAX_TOTAL_BYTES = 256 << 30
 """All members together, inflated."""
 MAX_INFLATION_BYTES = 256 << 20
 """Bytes all compressed members together may add when inflated."""
-MAX_MEMBERS = 100_000
 MAX_JSON_DEPTH = 200
 
 _MODEL = "model"  # torch.export.save writes one model, and torch.export.load returns only this one
@@ -102,8 +111,8 @@ def _cap(inner: str) -> int:
     return MAX_MEMBER_BYTES
 
 
-def _check_sizes(infos: list[zipfile.ZipInfo], inner: dict[str, str]) -> None:
-    """The caps on the headers' sizes (InputError naming the member)."""
+def _check_sizes(infos: list[zipfile.ZipInfo], inner: dict[str, str]) -> int:
+    """The caps on the headers' sizes (InputError naming the member); returns the bytes inflation adds."""
     total = inflation = 0
     worst = max(infos, key=lambda i: i.file_size - i.compress_size, default=None)
     for info in infos:
@@ -122,11 +131,13 @@ def _check_sizes(infos: list[zipfile.ZipInfo], inner: dict[str, str]) -> None:
             f"{worst.compress_size} to {worst.file_size}), over the {MAX_INFLATION_BYTES}-byte limit "
             "(torch.export.save stores members uncompressed)"
         )
+    return inflation
 
 
-def _read(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> bytes:
-    """A member's bytes, read in chunks and stopped past its header size or its cap (headers can lie)."""
-    limit = min(info.file_size, _cap(name))
+def _read(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, *, cap: int | None = None, keep: bool = True) -> bytes:
+    """A member's bytes (b"" unless `keep`), read in chunks and stopped past its header size or its cap
+    (headers can lie)."""
+    limit = min(info.file_size, _cap(name) if cap is None else cap)
     chunks, size = [], 0
     try:
         with z.open(info) as f:
@@ -134,10 +145,93 @@ def _read(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise InputError(f"member {name!r} inflates past the size its header gives ({info.file_size} bytes)")
-                chunks.append(chunk)
+                if keep:
+                    chunks.append(chunk)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
         raise InputError(f"member {name!r} cannot be read ({_first_line(e)})") from None
     return b"".join(chunks)
+
+
+# -- torch.save archives and the file itself, checked before anything is read whole or inflated ---
+
+
+def _check_torch_save(f: IO[bytes], size: int, cap: int, inflation_left: int) -> None:
+    """A `torch.save` file, before `torch.load` inflates it (InputError): when it is a zip (torch.load's own
+    test: its first bytes), the layout checks of `zipcheck.open_zip`, its members' inflated sizes at most `cap` in all, and
+    what compressed members add at most `inflation_left`, on the headers and again by inflating them.
+    Files in torch's older format are raw pickles and storages: nothing in them is compressed."""
+    f.seek(0)
+    if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        return
+    z, infos, inner, _ = open_zip(f, size)
+    with z:
+        total = sum(i.file_size for i in infos)
+        if total > cap:
+            raise InputError(f"its members inflate to {total} bytes in all, over the {cap}-byte limit")
+        inflation = 0
+        for info in infos:
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise InputError(f"member {inner[info.filename][:80]!r}: its header gives two sizes for an "
+                                 "uncompressed member")
+            inflation += max(0, info.file_size - info.compress_size)
+        if inflation > inflation_left:
+            raise InputError(
+                f"its compressed members inflate by {inflation} bytes, over the {inflation_left} bytes left of the "
+                f"{MAX_INFLATION_BYTES}-byte limit on inflation (torch.save stores members uncompressed)"
+            )
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                _read(z, info, inner[info.filename], cap=info.file_size, keep=False)
+
+
+def open_torch_save_file(path: str | os.PathLike) -> IO[bytes]:
+    """A `torch.save` file opened for `torch.load`, checked first: a regular file that fits in memory and,
+    when a zip, laid out and capped as `_check_torch_save` says. Errors are InputError, to be prefixed with
+    what the file is."""
+    f, size = open_regular(path)
+    try:
+        limit = memory_bytes()
+        if limit is not None and size > limit:
+            raise InputError(f"is {size} bytes, more than the {limit} bytes of memory this process may use; "
+                             "give smaller inputs")
+        try:
+            _check_torch_save(f, size, cap=limit or MAX_TOTAL_BYTES, inflation_left=MAX_INFLATION_BYTES)
+        except InputError as e:
+            raise InputError(f"is not a torch.save file torch can read safely ({e}); write it again with torch.save") from None
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _read_archive(path: str | os.PathLike) -> bytes:
+    """The whole file, read once its size is known to fit in memory and its end to be a zip end record."""
+    f, size = open_regular(path)
+    with f:
+        try:
+            end_record(f, size)
+        except InputError as e:
+            if str(e) == "not a zip file" or str(e).startswith("not a zip file as"):
+                raise InputError(f"not a torch.export archive (.pt2): {e}") from None
+            raise
+        limit = memory_bytes()
+        if size > MAX_TOTAL_BYTES or (limit is not None and 2 * size > limit):
+            raise InputError(
+                f"the file is {size} bytes; loading it takes about twice that in memory, more than the "
+                f"{min(limit or MAX_TOTAL_BYTES, MAX_TOTAL_BYTES)} bytes this process may use; load it where "
+                "more memory is free"
+            )
+        f.seek(0)
+        try:
+            data = f.read(size + 1)
+        except MemoryError:
+            raise InputError(f"the file ({size} bytes) does not fit in memory") from None
+        except OSError as e:
+            raise InputError(f"cannot be read ({e.strerror})") from None
+    if len(data) != size:
+        raise InputError("the file changed size while it was read")
+    return data
 
 
 def _json(z: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> Any:
@@ -199,6 +293,17 @@ def _payloads(config: Any, name: str, directory: str) -> tuple[set[str], list[st
     return files, bad
 
 
+def _sample_inputs(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo], inflation_left: int) -> bytes:
+    """The sample inputs' bytes; when they are a torch.save zip, checked as one before torch.load inflates
+    them (InputError), with what the outer archive already inflates counted against the same limit."""
+    data = _read(z, by_name[_SAMPLE_INPUTS], _SAMPLE_INPUTS)
+    try:
+        _check_torch_save(io.BytesIO(data), len(data), cap=MAX_SAMPLE_INPUTS_BYTES, inflation_left=inflation_left)
+    except InputError as e:
+        raise InputError(f"member {_SAMPLE_INPUTS!r} (a torch.save archive): {e}") from None
+    return data
+
+
 def _loads_weights_only(data: bytes) -> bool:
     """True when `torch.load(weights_only=True)` reads these bytes as torch's sample inputs (a tuple or dict)."""
     try:
@@ -210,7 +315,7 @@ def _loads_weights_only(data: bytes) -> bool:
     return isinstance(value, (tuple, dict))
 
 
-def _classify(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo]) -> list[str]:
+def _classify(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo], inflation_left: int) -> list[str]:
     """The members the allowlist refuses, each with the reason."""
     if "archive_format" not in by_name:
         return ["the whole archive (an older torch.export layout, read with pickle)"]
@@ -224,7 +329,7 @@ def _classify(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo]) -> list[s
     constants, bad_c = _payloads(_json(z, by_name[_CONSTANTS_CONFIG], _CONSTANTS_CONFIG), _CONSTANTS_CONFIG,
                                  "data/constants/")
     found += [f"weight {b}" for b in bad_w] + [f"constant {b}" for b in bad_c]
-    if not _loads_weights_only(_read(z, by_name[_SAMPLE_INPUTS], _SAMPLE_INPUTS)):
+    if not _loads_weights_only(_sample_inputs(z, by_name, inflation_left)):
         found.append(f"{_SAMPLE_INPUTS} (sample inputs not loadable with weights_only=True)")
     known = _SMALL | {_GRAPH, _WEIGHTS_CONFIG, _CONSTANTS_CONFIG, _SAMPLE_INPUTS} | weights | constants
     for name, info in by_name.items():
@@ -247,34 +352,17 @@ def _classify(z: zipfile.ZipFile, by_name: dict[str, zipfile.ZipInfo]) -> list[s
     return found
 
 
-def _open_archive(data: bytes) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
-    """The archive and its members by their names inside the root folder, the sizes checked (InputError)."""
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        raise InputError("not a torch.export archive (.pt2): not a zip file")
+def _open_archive(data: bytes) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo], int]:
+    """(the archive, its members by their names inside the root folder, the bytes inflation may still add),
+    its layout and sizes checked (InputError)."""
     try:
-        z = zipfile.ZipFile(io.BytesIO(data))
-        infos = z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError) as e:
-        raise InputError(f"not a readable zip archive ({_first_line(e)})") from None
-    if len(infos) > MAX_MEMBERS:
-        raise InputError(f"the archive has {len(infos)} members, over the limit of {MAX_MEMBERS}")
-    names = [i.filename for i in infos]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise InputError(f"the archive lists member {dup[:80]!r} twice")
-    roots = {n.split("/", 1)[0] if "/" in n else "" for n in names}
-    one_root = len(roots) == 1 and "" not in roots
-    # Members outside one root folder (the older layout's top-level `version`) keep their full names.
-    inner = {n: n.split("/", 1)[1] if one_root else n for n in names}
-    _check_sizes(infos, inner)
-    if one_root:
-        try:
-            torch_names = set(torch._C.PyTorchFileReader(io.BytesIO(data)).get_all_records())
-        except RuntimeError as e:
-            raise InputError(f"not a readable torch.export archive: {_first_line(e)}") from None
-        if torch_names != set(inner.values()):
-            raise InputError("torch's zip reader and Python's list different members; the archive is malformed")
-    return z, {inner[i.filename]: i for i in infos}
+        z, infos, inner, one_root = open_zip(io.BytesIO(data), len(data))
+    except InputError as e:
+        if str(e) == "not a zip file":
+            raise InputError("not a torch.export archive (.pt2): not a zip file") from None
+        raise
+    inflation = _check_sizes(infos, inner)
+    return z, {inner[i.filename]: i for i in infos}, MAX_INFLATION_BYTES - inflation
 
 
 def unsafe_members(data: bytes) -> list[str]:
@@ -283,7 +371,7 @@ def unsafe_members(data: bytes) -> list[str]:
     Raises InputError when the bytes are not an archive, a member is over its size cap, or the archive
     is malformed (these are refused whatever the caller trusts).
     """
-    z, by_name = _open_archive(data)
+    z, by_name, inflation_left = _open_archive(data)
     with z:
         if any("/" not in n for n in z.namelist()) or len({n.split("/", 1)[0] for n in z.namelist()}) != 1:
             # torch.export.load retries any archive it fails to read as the older layout, whose
@@ -291,7 +379,7 @@ def unsafe_members(data: bytes) -> list[str]:
             outside = sorted(n for n in z.namelist() if "/" not in n)
             return [f"{', '.join(outside[:3]) or 'members'} outside the archive's root folder "
                     "(an older torch.export layout, read with pickle)"]
-        return _classify(z, by_name)
+        return _classify(z, by_name, inflation_left)
 
 
 @contextlib.contextmanager
@@ -332,18 +420,20 @@ def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> A
     Errors are InputError naming the file; refused members are listed, and the
     message says that ``--trust-pickle`` (API: ``trust_pickle=True``) loads it anyway.
     """
-    p = Path(path)
-    label = repr(str(p))
+    label = repr(str(Path(path)))
     try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise InputError(f"model file {label} cannot be read ({e.strerror})") from None
-    try:
+        data = _read_archive(path)
         if trust_pickle:
-            _open_archive(data)[0].close()
+            z, by_name, inflation_left = _open_archive(data)
+            with z:
+                if _SAMPLE_INPUTS in by_name:  # the size caps hold for a trusted file too
+                    _sample_inputs(z, by_name, inflation_left)
             unsafe = []
         else:
             unsafe = unsafe_members(data)
+    except LayoutError as e:
+        raise InputError(f"model file {label}: {e}; torch.export.save never writes such a file, so export and "
+                         "save the model again") from None
     except InputError as e:
         raise InputError(f"model file {label}: {e}") from None
     if unsafe:

@@ -1,0 +1,1 @@
+"""Reading `.pt2` files from anywhere before torch deserializes them (README.md)."""
