@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
-from .legacy import is_earlier_load_script, refresh_load_script
-from .outputs import digests, foreign_files
+from .legacy import refresh_load_script
+from .outputs import digests, foreign_files, remove_written
 
 __all__ = ["APPLIED_FORMAT", "Applied", "is_applied_folder", "write_applied", "load_applied"]
 
@@ -79,20 +79,49 @@ def is_applied_folder(path: str | os.PathLike) -> bool:
 
 
 def check_output_folder(out: Path) -> None:
-    """Refuse an output that exists and is neither an empty folder nor an earlier `apply` folder."""
+    """Refuse an output that exists and is neither an empty folder nor an earlier `apply` folder holding
+    only files apply wrote, unchanged."""
     if out.is_symlink() or (out.exists() and not (out.is_dir() and (not any(out.iterdir()) or is_applied_folder(out)))):
         raise InputError(
             f"output folder {str(out)!r} exists and is not an empty folder or an earlier ckpt-planner apply output "
             "(its manifest.json has no ckpt-planner format key); choose another folder"
         )
-    manifest = _read_manifest(out) if out.is_dir() else None
-    theirs = foreign_files(out, manifest, {"load.py": _LOAD_PY}, is_earlier_load_script) if manifest is not None else []
-    if theirs:
-        shown = ", ".join(repr(n) for n in theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
-        raise OutputError(
-            f"output folder {str(out)!r} is an earlier apply output holding files apply did not write or that "
-            f"changed since ({shown}); replacing it would delete them: move them out or choose another folder"
+    refusal = _refusal(out, out) if out.exists() else None
+    if refusal is not None:
+        raise refusal
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _refusal(out: Path, folder: Path) -> OutputError | None:
+    """Why `folder` (the output `out`, or where it was moved aside) may not be replaced, or None: it is
+    empty, or an apply folder holding only the files apply wrote, unchanged."""
+    if folder.is_symlink() or not folder.is_dir():
+        return OutputError(f"output folder {str(out)!r} stopped being a folder while apply ran; it was left as it is")
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        entries = sorted(p.name for p in folder.iterdir())
+        if not entries:
+            return None
+        return OutputError(
+            f"output folder {str(out)!r} is not empty (it holds {_shown(entries)}) and is not an earlier "
+            "ckpt-planner apply output; it was left as it is: choose another folder"
         )
+    if not isinstance(manifest.get("written"), dict):
+        return OutputError(
+            f"output folder {str(out)!r} is an apply output of an earlier release, which recorded no digests of "
+            "the files it wrote, so they cannot be told from yours; it was left as it is: move out what you keep "
+            "and delete it, or choose another folder"
+        )
+    theirs = foreign_files(folder, manifest)
+    if theirs:
+        return OutputError(
+            f"output folder {str(out)!r} is an earlier apply output holding files apply did not write or that "
+            f"changed since ({_shown(theirs)}); replacing it would delete them: move them out or choose another folder"
+        )
+    return None
 
 
 def _to_cpu(value: Any) -> Any:
@@ -102,30 +131,60 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _swap_into_place(tmp: Path, out: Path, parent: Path) -> None:
-    """Rename `tmp` to `out`; an existing `out` is moved aside first and put back if the rename fails."""
-    if not out.exists():
-        os.replace(tmp, out)
+    """Rename `tmp` to `out`. An existing `out` is first moved aside, so nothing can land in it any more,
+    and judged again there: files that appeared since the command's first check (or a folder that changed)
+    put it back and refuse. After the swap, only what apply wrote is deleted from the old folder."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=parent))
+    prev = aside / "prev"
+    try:
+        os.replace(out, prev)
+    except FileNotFoundError:  # no earlier folder: a non-empty one made meanwhile refuses the rename (ENOTEMPTY)
+        aside.rmdir()
+        try:
+            os.replace(tmp, out)
+        except OSError as e:
+            raise OutputError(f"output folder {str(out)!r} appeared while apply ran and could not be replaced "
+                              f"({e.strerror or e}); it was left as it is") from None
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=parent))
-    os.replace(out, old / "prev")
+    except BaseException:
+        aside.rmdir()
+        raise
+    refusal = _refusal(out, prev)
+    if refusal is not None:
+        _put_back(prev, out, aside)
+        raise refusal
     try:
         os.replace(tmp, out)
     except BaseException as e:
-        try:
-            os.replace(old / "prev", out)
-        except OSError as e2:
-            raise InputError(
-                f"output folder {str(out)!r}: the new folder could not be moved into place ({e}) nor the previous "
-                f"one restored ({e2}); it is at {str(old / 'prev')!r}"
-            ) from None
-        shutil.rmtree(old, ignore_errors=True)
+        _put_back(prev, out, aside)
         if isinstance(e, OSError):
             raise InputError(
                 f"output folder {str(out)!r}: the new folder could not be moved into place ({e.strerror or e}); "
                 "the previous folder was left as it was"
             ) from None
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    manifest = _read_manifest(prev) or {}
+    if remove_written(prev, manifest):
+        aside.rmdir()
+        return
+    # Something landed in the old folder after it was judged (through a handle opened before): kept, visible.
+    kept = Path(tempfile.mkdtemp(prefix=f"{out.name}.kept-", dir=parent))
+    os.replace(prev, kept)
+    aside.rmdir()
+    raise OutputError(f"output folder {str(out)!r} was written; files that appeared in the folder it replaced while "
+                      f"apply ran were kept in {str(kept)!r}")
+
+
+def _put_back(prev: Path, out: Path, aside: Path) -> None:
+    """Move the earlier folder back to `out` (InputError naming where it is if that fails)."""
+    try:
+        os.replace(prev, out)
+    except OSError as e:
+        raise InputError(
+            f"output folder {str(out)!r}: the previous folder could not be restored ({e.strerror or e}); "
+            f"it is at {str(prev)!r}"
+        ) from None
+    aside.rmdir()
 
 
 def write_applied(out: str | os.PathLike, *, loaded: Any, plan: Any, example_inputs: Any) -> Path:

@@ -90,10 +90,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise InputError("input: --input/--inputs need a MODEL (the built-in examples bring their own)")
         model, inputs = EXAMPLES[args.example or "gpt"]()
     else:
-        loaded, inputs, _ = _model_and_inputs(args)
+        loaded, inputs, record = _model_and_inputs(args)
         model = loaded.model
     meta = args.meta or args.device == "meta"
-    with ModelState(model).preserved():
+    named = _inputs_named(loaded, inputs, record) if args.model is not None else contextlib.nullcontext()
+    with ModelState(model).preserved(), named:
         cap = capture(model, inputs)
         cost = profile(cap, ProfileConfig(meta=meta))
     rows = cost.table()
@@ -111,10 +112,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
         _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
         return EXIT_OK
     # Columns as wide as their longest entry: names are never cut (they are what `plan` files and notes cite).
-    w = {k: max([len(k), *(len(r[k]) for r in rows)]) for k in ("node", "target", "module")}
+    from .outputs import printable
+
+    shown = [{**r, **{k: printable(str(r[k])) for k in ("node", "target", "module")}} for r in rows]
+    w = {k: max([len(k), *(len(r[k]) for r in shown)]) for k in ("node", "target", "module")}
     _out(args, f"{'node':<{w['node']}} {'target':<{w['target']}} {'module':<{w['module']}} "
                f"{'saved':>10} {'output':>10} {'time ms':>8}")
-    for r in rows:
+    for r in shown:
         _out(
             args,
             f"{r['node']:<{w['node']}} {r['target']:<{w['target']}} {r['module']:<{w['module']}} "
@@ -135,8 +139,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _out(args: argparse.Namespace, text: str) -> None:
-    """The command's result on the real stdout (user code runs with stdout sent to stderr)."""
-    print(text, file=getattr(args, "stdout", None) or sys.stdout)
+    """The command's result on the real stdout (user code runs with stdout sent to stderr); names from
+    files and graphs in it are shown with their control characters escaped (outputs.printable)."""
+    from .outputs import printable
+
+    print(printable(text), file=getattr(args, "stdout", None) or sys.stdout)
+
+
+def _err(text: str) -> None:
+    """One line on stderr, its control characters escaped: error messages quote names from the files."""
+    from .outputs import printable
+
+    print(f"ckpt-planner: {printable(text)}", file=sys.stderr)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -147,7 +161,7 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 def _note(args: argparse.Namespace, text: str) -> None:
     if not args.quiet:
-        print(f"ckpt-planner: {text}", file=sys.stderr)
+        _err(text)
 
 
 def _bar(args: argparse.Namespace, total: int, desc: str):
@@ -167,18 +181,27 @@ def _stage(bar, desc: str) -> Iterator[None]:
     bar.update(1)
 
 
-def _check_output(path: str, what: str, *, folder: bool = False) -> Path:
-    """Fail before any work when `path` cannot be written (an InputError, exit 2; outputs.py)."""
+def _check_output(path: str, what: str, *, folder: bool = False, args: argparse.Namespace | None = None) -> Path:
+    """Fail before any work when `path` cannot be written or is one of `args`' input files (an
+    InputError, exit 2; outputs.py)."""
     from .outputs import check_output_file, check_parent
 
     p = Path(path)
-    if not folder:
-        return check_output_file(p, what)  # a regular file or nothing: never a device, fifo or socket
+    if not folder:  # a regular file or nothing: never a device, fifo, socket, an input or a hard link
+        return check_output_file(p, what, _input_paths(args) if args is not None else ())
     from .applied import check_output_folder
 
     check_parent(p, what)
     check_output_folder(p)
     return p
+
+
+def _input_paths(args: argparse.Namespace) -> tuple[str, ...]:
+    """The files a command reads: its model (a file.py:factory spec's file too), inputs, plan and bench."""
+    model = getattr(args, "model", None)
+    paths = [model, model.rpartition(":")[0] if model and ":" in model else None,
+             getattr(args, "inputs", None), getattr(args, "plan", None), getattr(args, "bench", None)]
+    return tuple(str(p) for p in paths if p)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -275,7 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.lowering != "best" and not args.compile:
         raise InputError(f"lowering: {args.lowering!r} applies to --compile plans only; add --compile or drop --lowering")
     curve_solvers = _curve_solvers(args)
-    out = _check_output(args.output, "output") if args.output else None
+    out = _check_output(args.output, "output", args=args) if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
     with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
@@ -309,7 +332,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if out is not None and ok:
             _say(args, f"plan written to {out}")
     if not ok:
-        print(f"ckpt-planner: verification failed: {failure}; no plan written", file=sys.stderr)
+        _err(f"verification failed: {failure}; no plan written")
         return EXIT_FAIL
     return EXIT_OK
 
@@ -403,7 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(SOLVERS))}")
     for n in skipped:
         _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
-    out = _check_output(args.output, "output") if args.output else None
+    out = _check_output(args.output, "output", args=args) if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     with _bar(args, 1 + len(names), "bench") as bar:
         planner = _planner(args, loaded, inputs, record, bar)
@@ -412,7 +435,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.update(device=args.device, source=record, skipped=skipped)
     if not any(r["status"] == "ok" for r in result["rows"]):
         reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
-        print(f"ckpt-planner: no solver produced a plan ({reasons}); no bench file written", file=sys.stderr)
+        _err(f"no solver produced a plan ({reasons}); no bench file written")
         return EXIT_FAIL
     if out is not None:
         _write_atomic(out, json.dumps(result, indent=2))
@@ -424,7 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [r["solver"] for r in result["rows"]
            if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
     if bad:
-        print(f"ckpt-planner: verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)", file=sys.stderr)
+        _err(f"verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)")
         return EXIT_FAIL
     return EXIT_OK
 
@@ -442,25 +465,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..errors import InputError, PlanFileError
     from . import report as rep
 
-    out = _check_output(args.output, "output")
+    out = _check_output(args.output, "output", args=args)
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
     plan = _load_plan(args.plan).to_dict()
     bench = None
     if args.bench:
-        path = Path(args.bench)
-        if not path.is_file():
-            raise InputError(f"bench file {args.bench!r} does not exist")
-        try:
-            bench = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"bench file {args.bench!r} is not valid JSON ({e})") from None
-        except RecursionError:
-            raise InputError(f"bench file {args.bench!r} is nested too deeply to be a bench file") from None
-        if not isinstance(bench, dict) or bench.get("schema") != "ckpt-planner/bench":
-            raise InputError(f"bench file {args.bench!r} is not a ckpt-planner bench file")
-        from ..plan_schema import check_json_limits
+        from .bench import load_bench_file
 
-        check_json_limits(bench, f"bench file {args.bench!r}")  # finite numbers, no lone surrogates, limits
+        bench = load_bench_file(args.bench)
     try:
         text = rep.render(plan, bench, fmt=fmt)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
@@ -491,6 +503,20 @@ def _no_logs() -> Iterator[None]:
         logging.disable(previous)
 
 
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """warnings.showwarning that gives the planner's own notices (a timing store it ignores) one line like
+    its errors, and passes every other warning to `show` (catch_warnings puts the original back)."""
+    from ..profile.timing_store import TimingStoreWarning
+
+    def shown(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, TimingStoreWarning):
+            _err(f"warning: {_one_line(message) if isinstance(message, BaseException) else message}")
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
 
@@ -514,23 +540,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
+        warnings.showwarning = _one_line_warnings(warnings.showwarning)
         try:
             return _COMMANDS[args.command](args)
         except KeyboardInterrupt:
-            print("ckpt-planner: interrupted; nothing was written", file=sys.stderr)
+            _err("interrupted; nothing was written")
             return EXIT_INTERRUPTED
         except InfeasibleBudgetError as e:
-            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
+            _err(_one_line(e))
             return EXIT_FAIL
         except (InputError, PlanFileError, PlanMismatchError, UnknownSolverError, PlanSpaceTooLargeError) as e:
-            print(f"ckpt-planner: {_one_line(e)}", file=sys.stderr)
+            _err(_one_line(e))
             return EXIT_USAGE
         except RecursionError:
-            print("ckpt-planner: an input file is nested too deeply to read", file=sys.stderr)
+            _err("an input file is nested too deeply to read")
             return EXIT_USAGE
         except (PlannerError, ImportError, OSError) as e:
             text = f"{type(e).__name__}: {_one_line(e)}" if isinstance(e, OSError) else _one_line(e)
-            print(f"ckpt-planner: {text}", file=sys.stderr)
+            _err(text)
             return EXIT_FAIL
 
 

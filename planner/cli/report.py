@@ -390,7 +390,14 @@ def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:
 
 
 def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: str = "html") -> str:
-    """The report page for a plan (the plan file's dict) and an optional bench file's dict."""
+    """The report page for a plan (the plan file's dict) and an optional bench file's dict; control
+    characters in its names are written as visible escapes (a report is also read with `cat`)."""
+    from .outputs import printable
+
+    return printable(_render(plan, bench, fmt))
+
+
+def _render(plan: dict[str, Any], bench: dict[str, Any] | None, fmt: str) -> str:
     if fmt not in ("html", "md"):
         raise ValueError(f"fmt: {fmt!r} is not 'html' or 'md'")
     if bench:

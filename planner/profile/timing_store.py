@@ -21,19 +21,28 @@ flicker of quiet runs, so the plan stays put; the eager and graph step times are
 any lower figure.
 
 Where: the directory `$CKPT_PLANNER_TIMINGS` names, else `$XDG_CACHE_HOME/ckpt-planner`, else
-`~/.cache/ckpt-planner`; one JSON file per device, torch version and thread count.
+`~/.cache/ckpt-planner`; one JSON file per device, torch version and thread count. An empty (or blank)
+`CKPT_PLANNER_TIMINGS` counts as unset: the default folder, never the working directory.
 `CKPT_PLANNER_TIMINGS=off` (or `ProfileConfig(timing_store=False)`) measures afresh and stores
 nothing; deleting the file measures again. A store that cannot be read is ignored; one that cannot be
 written is not an error (the plan is made from this run's measurements).
 
+Processes share the file: `save` holds an exclusive `flock` on the store's folder while it reads the file
+as it is then, merges its own entries in and renames a complete new file into place, so concurrent runs
+(a sweep of six planners) lose none of each other's entries, and a reader never sees half a file.
+
 A store is data from disk, so nothing in it is taken on trust: a stored time that is not a finite
 number of seconds in (`MIN_TIME_S`, `MAX_TIME_S`] (negative, zero, 1e-300, NaN, a year) is dropped and
 measured again, and never stored; a file that another user owns or that others may write, or that is
-nested too deeply to read, is ignored with one `TimingStoreWarning` naming it.
+nested too deeply to read, is ignored with one `TimingStoreWarning` naming it. So is one that is not a
+regular file (a fifo, which would block a plain open forever; a folder; a device) or larger than
+`MAX_STORE_BYTES` (a link to a huge sparse file): it is opened without blocking and judged by `fstat`
+before a byte is read, and nothing is written over it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,7 +50,9 @@ import platform
 import re
 import stat
 import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +67,8 @@ MIN_TIME_S = 1e-9  # seconds: below any op's launch; 0, negatives and 1e-300 are
 MAX_TIME_S = 3600.0  # seconds: no op, call or step of one training step takes an hour
 _MAY_BE_ZERO = {"recomputed", "calls"}  # a calibration snapshot's predicted figures (timing.CALIBRATION_STEPS)
 _TIMED_TABLES = ("ops", "overheads", "graphs", "steps")
+MAX_STORE_BYTES = 64 << 20  # bytes: thousands of entries take well under 1 MB; a file beyond this is not ours
+LOCK_WAIT_S = 10.0  # seconds: another run holds the lock for one read-merge-write; past this, this run stores nothing
 
 
 class TimingStoreWarning(UserWarning):
@@ -65,17 +78,16 @@ class TimingStoreWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def _warn_once(path: Path, why: str) -> None:
+def _warn_once(path: Path, why: str, then: str = "it is ignored (times are measured afresh)") -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
-        warnings.warn(f"timing store {str(path)!r} {why}; it is ignored (times are measured afresh)",
-                      TimingStoreWarning, stacklevel=4)
+        warnings.warn(f"timing store {str(path)!r} {why}; {then}", TimingStoreWarning, stacklevel=4)
 
 
 def store_dir() -> Path | None:
     """The store's directory, or None when the environment turns it off."""
     env = os.environ.get(STORE_ENV)
-    if env is not None:
+    if env is not None and env.strip():  # empty counts as unset: Path("") would be the working directory
         if env.strip().lower() in _OFF:
             return None
         return Path(env).expanduser()
@@ -142,28 +154,39 @@ class TimingStore:
         self._added[table][key] = (value, None)
 
     def save(self) -> None:
+        """Merge this run's entries into the file under its lock (see the module docstring)."""
         if self.path is None or not any(self._added.values()):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            current = _read(self.path)
-            for table, entries in self._added.items():
-                for key, (value, heal) in entries.items():
-                    there = None if heal is None else _comparable(current[table].get(key), value)
-                    if there is None or _total(value) <= heal * _total(there):
-                        current[table][key] = value  # new, or healed against what another run stored
-            fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump({"format": FORMAT, **current}, f, indent=0, sort_keys=True)
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            self.data = current
-            self._added = _empty()
+            with _locked(self.path) as held:
+                if held:
+                    self._merge_and_write()
         except OSError:
             pass  # a read-only home or full disk: this run's plan stands on its own measurements
+
+    def _merge_and_write(self) -> None:
+        """Read the file as it is now, add this run's entries, and rename a complete new file over it."""
+        kind = _not_regular(self.path)
+        if kind is not None:  # a fifo, folder or link where the store goes: the user's, left as it is
+            _warn_once(self.path, f"is {kind}, not a regular file", "nothing is stored in it")
+            return
+        current = _read(self.path)
+        for table, entries in self._added.items():
+            for key, (value, heal) in entries.items():
+                there = None if heal is None else _comparable(current[table].get(key), value)
+                if there is None or _total(value) <= heal * _total(there):
+                    current[table][key] = value  # new, or healed against what another run stored
+        fd, tmp = tempfile.mkstemp(prefix=".timings-", suffix=".json", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, **current}, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.data = current
+        self._added = _empty()
 
 
 Timing = float | dict[str, float]
@@ -202,25 +225,109 @@ def _empty() -> dict[str, dict[str, Any]]:
     return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}, "learned": {}}
 
 
-def _read_own(path: Path) -> str | None:
-    """The file's text, read from one descriptor: None (with a warning) when another user owns it or
-    others may write it, so its times could be anyone's; None when it is missing or unreadable."""
+_KINDS = {stat.S_IFIFO: "a fifo", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link",
+          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _not_regular(path: Path) -> str | None:
+    """What is at `path` when it is there and is not a regular file (a link is not followed)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        mode = os.lstat(path).st_mode
+    except OSError:  # missing, or its folder is not one: nothing there to keep
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    return None if stat.S_ISREG(mode) else _kind(mode)
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_own(path: Path) -> str | None:
+    """The file's text, read from one descriptor: None (with a warning) when it is not a regular file,
+    is larger than MAX_STORE_BYTES, another user owns it or others may write it, so its times could be
+    anyone's; None when it is missing or unreadable.
+
+    Opened without blocking (a fifo's open would wait for a writer forever) and without following a
+    link, then judged by fstat on that descriptor before anything is read."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        kind = _not_regular(path)  # O_NOFOLLOW refuses a link (ELOOP): name it
+        if kind is not None:
+            _warn_once(path, f"is {kind}, not a regular file")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _warn_once(path, f"is {_kind(st.st_mode)}, not a regular file")
+            return None
+        if st.st_size > MAX_STORE_BYTES:
+            _warn_once(path, f"is {st.st_size} bytes, more than a timing store's {MAX_STORE_BYTES}")
+            return None
         if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
             _warn_once(path, f"belongs to another user (uid {st.st_uid})")
             return None
         if st.st_mode & stat.S_IWOTH:
             _warn_once(path, "is writable by other users")
             return None
-        try:
-            return f.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
+        chunks, size = [], 0
+        while size <= MAX_STORE_BYTES:  # bounded even if the file grows after fstat
+            chunk = os.read(fd, min(1 << 20, MAX_STORE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_STORE_BYTES:
+            _warn_once(path, f"grew past a timing store's {MAX_STORE_BYTES} bytes while read")
             return None
+        return b"".join(chunks).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive flock on the store's folder while one run reads, merges and replaces its file.
+
+    The folder itself is the lock (Linux and the BSDs flock a directory), so nothing is left beside the
+    store and no lock file can be swapped for a fifo or a link. Yields False when the lock cannot be had
+    within LOCK_WAIT_S (a run stuck holding it): this run then stores nothing. Without fcntl (not POSIX),
+    or on a file system without flock, it yields True unlocked: the write is still atomic, only a
+    concurrent merge may be lost."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        deadline, held = time.monotonic() + LOCK_WAIT_S, True
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.002)
+            except OSError:  # a file system without flock (ENOLCK): as without fcntl
+                held = False
+                break
+        try:
+            yield True
+        finally:
+            if held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _read(path: Path) -> dict[str, dict[str, Any]]:

@@ -322,3 +322,24 @@ def test_bench_file_with_a_5000_digit_number_is_refused_in_one_line(tmp_path):
     path.write_text(json.dumps({"schema": "ckpt-planner/bench", "version": 1, "rows": [], "budget_bytes": 2**70}))
     with pytest.raises(PlanFileError, match="budget_bytes"):
         load_bench_file(str(path))
+
+
+def test_report_with_a_5000_digit_bench_number_exits_2_in_one_line(tmp_path, capsys):
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+    plan = tmp_path / "plan.json"
+    assert run(["plan", f"{factory}:make", "--activation-budget", "0.8", "-o", plan], capsys)[0] == 0
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"schema": "ckpt-planner/bench", "version": 1, "rows": [], "budget_bytes": ' + "9" * 5000 + "}")
+    code, err = run(["report", plan, "--bench", bench, "-o", tmp_path / "report.html"], capsys)
+    assert code == 2 and "bench file" in one_line(err)
+    assert not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize("spec", ["64,0", "64,32:float64:0-1"])
+def test_profile_with_inputs_the_model_cannot_take_exits_2_in_one_line(tmp_path, capsys, spec):
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+    code, err = run(["profile", f"{factory}:make", "--input", spec], capsys)
+    line = one_line(err)
+    assert code == 2 and "input" in line, line
