@@ -246,6 +246,12 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
         ) from e
 
 
+def autocast_blocks(gm: fx.GraphModule) -> int:
+    """How many `with torch.autocast(...)` blocks of the forward torch.export kept whole, as one node each
+    (`wrap_with_autocast`): the planner sees each as a single op, so nothing inside one is checkpointed."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") == "wrap_with_autocast")
+
+
 def _rebind_state(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     """Make the captured module hold the model's own parameter and buffer objects."""
     own = dict(model.named_parameters(remove_duplicate=False))

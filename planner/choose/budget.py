@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..capture.preflight import nothing_to_plan
+from ..capture.trace import autocast_blocks
 from ..profile.memory import device_room
 from ..settings import PlanRequest
 from ..solvers.problem import Problem
@@ -154,6 +155,11 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
         if smallest == as_is:
             regions = given if given_peak <= plain_peak or keep else ()
             detail = peak_detail(problem, regions, [n.name for n in p.cost.nodes])
+        blocks = autocast_blocks(p.capture.graph_module)
+        if blocks:
+            detail += (f"; the forward's own torch.autocast block{'s' if blocks > 1 else ''} ({blocks}) reach the planner as "
+                       "one op each, so nothing inside is checkpointed: enter autocast around the call instead "
+                       "(`with torch.autocast(...):` around optimize() and the training step) to plan inside")
         raise InfeasibleBudgetError(budget, smallest, cfg.solver, fixed, detail=detail)
 
 

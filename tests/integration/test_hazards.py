@@ -17,12 +17,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tcp
-from ckpt_planner.api import Planner
+from ckpt_planner.api import Planner, optimize
 from ckpt_planner.capture.mutation import compute_nodes, mutated_inputs
 from ckpt_planner.capture.trace import capture
 from ckpt_planner.lower.rewrite import rewrite, safe_regions
 from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.solvers.heuristics.basic import segment_runs
+from ckpt_planner.solvers.registry import InfeasibleBudgetError
 from ckpt_planner.verification import default_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -268,6 +269,28 @@ def test_autocast_cpu_bf16(method, monkeypatch):
     monkeypatch.setattr(tcp, "_get_autocast_kwargs", lost)
     with pytest.raises(Exception, match="metadata|dtype"):
         compare(model, module, x, ctx=bf16)
+
+
+class CastsInside(nn.Module):
+    """Enters autocast inside its own forward: torch.export keeps the block whole, as one op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for layer in self.layers:
+                x = x + layer(x)
+        return x.float().square().mean()
+
+
+def test_autocast_inside_forward_is_named_in_one_line():
+    torch.manual_seed(0)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        optimize(CastsInside(), (torch.randn(128, 32),), activation_budget=0.5)
+    text = str(info.value)
+    assert "torch.autocast block" in text and "around optimize()" in text and "\n" not in text
 
 
 @CUDA
