@@ -334,33 +334,56 @@ class Plan:
         source = f"plan file {str(path)!r}"
         return cls.from_dict(read_plan_file(path, source), source=source)
 
-    def rebuild(self, model: torch.nn.Module, example_inputs: Any = None) -> torch.nn.Module:
+    def rebuild(self, model: torch.nn.Module, example_inputs: Any = None, *, check_step: bool | None = None) -> torch.nn.Module:
         """Build the checkpointed module for `model` (a fresh instance of the planned model).
 
         Raises PlanMismatchError when the model's graph differs from the one the plan was made for,
-        or, for a plan loaded from a file, when its predicted figures differ from a re-simulation of
-        its regions on this model (see `check_figures`).
+        or, for a plan loaded from a file: when a figure it states differs from its re-derivation on this
+        model (see `check_figures`), when it is predicted over its own budget, or when one training step
+        of the module differs from the model's own (the safety net optimize() runs on every plan it
+        returns). `check_step=False` skips that step; None (the default) runs it except under a process
+        group of several ranks, where a step on one rank alone could wait forever on the others'
+        collectives (a broadcast plan was checked on the rank that made it).
         """
         self._refuse_knapsack("rebuild")
-        return self._rebuild(model, example_inputs)
+        return self._rebuild(model, example_inputs, check_step=check_step)
 
-    def _rebuild(self, model: torch.nn.Module, example_inputs: Any) -> torch.nn.Module:
+    def _rebuild(self, model: torch.nn.Module, example_inputs: Any, *, check_step: bool | None = None) -> torch.nn.Module:
         from .lower.rewrite import rewrite
 
         cap = self._matching_capture(model, example_inputs)
-        if self.problem is None:
+        loaded = self.problem is None
+        if loaded:
             self.problem = self.check_figures(model, cap)
         else:  # not profiled in this capture: which nodes draw random numbers, from one run
             from .capture.rng import observe_random
             from .capture.trace import flatten_for_graph
 
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
-        self.module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
+        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
+        if loaded:
+            try:
+                self._check_loaded_step(model, module, cap, check_step)
+            except BaseException:
+                self.problem = None  # refused: the next rebuild checks again
+                raise
+        self.module = module
         from .capture.shapes import ShapeGuard, input_shapes
 
         guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
         object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
         return self.module
+
+    def _check_loaded_step(self, model: torch.nn.Module, module: torch.nn.Module, cap: Any,
+                           check_step: bool | None) -> None:
+        """A loaded plan's step against the model's (the safety net), then its measured figures."""
+        from .verification import check_loaded_step, check_measured
+
+        if check_step is None:
+            check_step = not _several_ranks()
+        if check_step:
+            check_loaded_step(self, model, module, cap.args, cap.kwargs)
+        check_measured(self, model, module, cap.args, cap.kwargs)
 
     def _refuse_knapsack(self, what: str) -> None:
         """A knapsack-lowered compiled plan has no regions: its saving lives in the compiled partitioner."""
@@ -383,7 +406,7 @@ class Plan:
 
             try:
                 cap = chunk_capture(cap, [ChunkSpec.from_dict(c) for c in self.stats["chunks"]])[0]
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, IndexError) as e:
                 raise PlanMismatchError(f"plan chunked regions do not match this model's graph ({e})") from None
         fp = graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
         if fp != self.fingerprint:
@@ -401,16 +424,20 @@ class Plan:
         return cap
 
     def check_figures(self, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
-        """Re-profile `model` (captured as `cap`) and re-simulate this plan's regions; returns the Problem.
+        """Re-profile `model` (captured as `cap`) and re-derive every figure this plan states; returns the Problem.
 
-        Raises PlanMismatchError when the recorded baseline or predicted peak differs from the
-        re-simulation by more than `rel_tol` of it: the file was edited, or the model, inputs or
-        planner changed since it was made. Bytes are compared, not times (times are measured and
-        vary; here they come from FLOPs). The optimizer state is taken from the file's breakdown
-        (which optimizer the plan assumed is not known here); sharding from its stats.
+        Raises PlanMismatchError, naming the field, when one differs from its re-simulation by more than
+        `rel_tol` of it: `baseline_peak_bytes` (the model as given: its own checkpoint calls, found in
+        this capture, else none), `stats.no_checkpoint_peak_bytes` (no checkpointing at all) and
+        `predicted_peak_bytes` (these regions and kept ops). The file was edited, or the model, inputs or
+        planner changed since it was made. Then PlanMismatchError when the plan is predicted over its own
+        budget (`check_budget`). Bytes are compared, not times (times are measured and vary; here they
+        come from FLOPs). The optimizer state is taken from the file's breakdown (which optimizer the plan
+        assumed is not known here); sharding from its stats.
         """
         import dataclasses
 
+        from .capture.own_checkpoint import own_spans
         from .distributed import shard_problem
         from .model_state import ModelState
         from .profile.profiler import ProfileConfig, profile
@@ -428,27 +455,66 @@ class Plan:
         )
         optimizer = self.baseline_breakdown.get("optimizer", self.breakdown.get("optimizer", 0))
         problem = dataclasses.replace(problem, optimizer_bytes=int(optimizer or 0))
+        nodes = cost.nodes
+        own, _ = own_spans(cap.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes],
+                           [n.recomputable for n in nodes])
         try:
             spans = normalize_regions(problem, self.spans())
+            plain = simulate(problem, ()).peak_bytes
+            given = simulate(problem, _nested(problem, own)).peak_bytes if own else plain
+            planned = simulate(problem, spans, saved=self.saved_indices()).peak_bytes
         except ProblemError as e:
             raise PlanMismatchError(f"plan regions do not fit this model's graph: {e}") from None
-        for name, recorded, actual in (
-            # a model that checkpoints itself records its plain step separately (its baseline is the model as given)
-            ("baseline_peak_bytes", int(self.stats.get("no_checkpoint_peak_bytes", self.baseline_peak_bytes)),
-             simulate(problem, ()).peak_bytes),
-            ("predicted_peak_bytes", self.predicted_peak_bytes,
-             simulate(problem, spans, saved=self.saved_indices()).peak_bytes),
-        ):
+        figures = [("baseline_peak_bytes", self.baseline_peak_bytes, given),
+                   ("predicted_peak_bytes", self.predicted_peak_bytes, planned)]
+        if "no_checkpoint_peak_bytes" in self.stats:  # the plain step, where the model checkpoints itself
+            figures.insert(1, ("stats.no_checkpoint_peak_bytes", int(self.stats["no_checkpoint_peak_bytes"]), plain))
+        for name, recorded, actual in figures:
             if abs(recorded - actual) > rel_tol * max(actual, 1):
                 raise PlanMismatchError(
                     f"plan {name}: the file says {_fmt_bytes(recorded)} ({recorded} bytes) but its regions "
                     f"re-simulated on this model give {_fmt_bytes(actual)} ({actual} bytes); the plan was edited "
                     "or the model or planner changed: re-plan with optimize() or `ckpt-planner plan`"
                 )
+        self.check_budget(problem.fixed_bytes)
         return problem
 
+    def check_budget(self, fixed_bytes: int = 0) -> None:
+        """PlanMismatchError when this plan is predicted over its own `budget_bytes`.
+
+        One exception, as optimize() makes them: autotune measured exactly these regions within the budget
+        (`stats.autotune`), and the prediction is over it by no more than the default safety margin of the
+        activation part (`fixed_bytes`: parameters, inputs, optimizer state). A compiled plan's budget is
+        its compiled step's measured peak, not the eager prediction: it is judged on that figure.
+        """
+        from .lower.apply import measured_fit
+        from .settings import Budget
+
+        budget = self.budget_bytes
+        if budget is None:
+            return
+        compiled = self.stats.get("compiled")
+        if isinstance(compiled, dict):
+            measured = self.measured_peak_bytes
+            if measured is not None and measured > budget:
+                raise PlanMismatchError(
+                    f"plan measured_peak_bytes: {_fmt_bytes(measured)} ({measured} bytes) is over the plan's own "
+                    f"budget_bytes {_fmt_bytes(budget)} ({budget} bytes); re-plan at this budget"
+                )
+            return
+        allowed = budget
+        if measured_fit(self, self.spans()):
+            allowed += int(Budget().safety_margin * max(0, budget - fixed_bytes))
+        if self.predicted_peak_bytes > allowed:
+            raise PlanMismatchError(
+                f"plan predicted_peak_bytes: {_fmt_bytes(self.predicted_peak_bytes)} ({self.predicted_peak_bytes} "
+                f"bytes) is over the plan's own budget_bytes {_fmt_bytes(budget)} ({budget} bytes); a plan over "
+                "its budget is not applied: re-plan at this budget with optimize() or `ckpt-planner plan`"
+            )
+
     # -- in place ------------------------------------------------------------
-    def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False) -> Any:
+    def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False,
+              check_step: bool | None = None) -> Any:
         """Checkpoint whole submodules of `model` in place; returns a lower.apply.Application.
 
         Same module object, same `state_dict` keys, hooks and optimizer untouched.
@@ -456,16 +522,46 @@ class Plan:
         plan within the budget is used and the Application says how it differs.
         When no module-level plan fits the budget, raises InfeasibleBudgetError and
         changes nothing, unless allow_over_budget=True.
-        A plan loaded from a file is checked against `model` first when `example_inputs`
-        are given (graph fingerprint and re-simulated figures, as in `rebuild`); without
-        them its recorded module paths are applied as they are.
+        A plan loaded from a file is refused (PlanMismatchError) when it is predicted over its own
+        budget. With `example_inputs` it is checked against `model` first as in `rebuild`: graph
+        fingerprint, every figure re-derived, and one training step of the module-level plan against
+        the model's own (`check_step` as in `rebuild`), all before anything is changed; without them
+        its recorded module paths are applied as they are.
         """
-        from .lower.apply import apply_plan
+        from .lower.apply import apply_plan, checkpointed_copy
 
         self._refuse_knapsack("apply")
-        if self.problem is None and example_inputs is not None:
-            self.problem = self.check_figures(model, self._matching_capture(model, example_inputs))
-        return apply_plan(self, model, allow_over_budget=allow_over_budget)
+        check = None
+        if self.problem is None and example_inputs is None:
+            self.check_budget()
+        elif self.problem is None:
+            cap = self._matching_capture(model, example_inputs)
+            self.problem = problem = self.check_figures(model, cap)
+            if self.measured_peak_bytes is not None or self.baseline_measured_peak_bytes is not None:
+                from .lower.rewrite import rewrite
+                from .verification import check_measured
+
+                exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
+                try:  # the figures are those of the plan's own regions (plan.module), measured again
+                    check_measured(self, model, exact, cap.args, cap.kwargs)
+                except BaseException:
+                    self.problem = None
+                    raise
+            if check_step is None:
+                check_step = not _several_ranks()
+
+            def check(paths: list[str]) -> None:  # the module-level variant, on a copy: the model is untouched
+                from .verification import check_loaded_step
+
+                if check_step and paths:
+                    try:
+                        check_loaded_step(self, model, checkpointed_copy(model, paths), cap.args, cap.kwargs)
+                    except BaseException:
+                        if self.problem is problem:
+                            self.problem = None  # refused: the next apply checks again
+                        raise
+
+        return apply_plan(self, model, allow_over_budget=allow_over_budget, check=check)
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
         """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""
@@ -490,6 +586,17 @@ def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, 
                 )
         if region.end < region.start:
             raise PlanFileError(f"{source}: regions[{i}].end: {region.end} is before its start {region.start} (inverted)")
+        if len(region.saved_ops) != len(region.saved_positions):
+            raise PlanFileError(
+                f"{source}: regions[{i}].saved_positions: {len(region.saved_positions)} positions for "
+                f"{len(region.saved_ops)} saved_ops (one position per kept op)"
+            )
+        outside = [k for k in region.saved_positions if not region.start <= k <= region.end]
+        if outside:  # a kept op outside its region is no part of any selective policy
+            raise PlanFileError(
+                f"{source}: regions[{i}].saved_positions: node {outside[0]} is outside the region "
+                f"({region.start}..{region.end}); a region keeps only its own nodes"
+            )
     order = sorted(range(len(regions)), key=lambda i: (regions[i].start, -regions[i].end))
     stack: list[int] = []
     for i in order:
@@ -503,6 +610,27 @@ def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, 
                 "overlap without nesting"
             )
         stack.append(i)
+
+
+def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The model's own checkpoint spans that nest properly, in order, as the planner takes them for the
+    model as given (choose/regions.py `laminar`): a span crossing an earlier one is left out."""
+    from .solvers.problem import ProblemError
+    from .solvers.simulate import normalize_regions
+
+    kept: list[tuple[int, int]] = []
+    for span in spans:
+        try:
+            kept = list(normalize_regions(problem, [*kept, span]))
+        except ProblemError:
+            continue
+    return tuple(kept)
+
+
+def _several_ranks() -> bool:
+    """Whether a process group of several ranks is running."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _jsonable(obj: Any) -> Any:

@@ -179,7 +179,18 @@ _SERIES = _obj({"bytes": _list(_num(-MAX_BYTES, MAX_BYTES)), "phase": _NAMES, "p
                 "events": _int(0, MAX_INT - 1)})
 _POINT = _obj({"budget_bytes": _num(0, MAX_BYTES), "peak_bytes": _num(0, MAX_BYTES), "recompute_s": _SECONDS,
                "overhead": _RATIO, "regions": _int(0, MAX_NODES), "solver": _NAME})
+def _chunk(v: Any, path: str) -> None:
+    """One chunked region (lower/chunk.py ChunkSpec): its nodes, at least one, and its chunk count."""
+    _obj({"nodes": _NAMES, "chunks": _int(1, 1 << 20), "why": _str()})(v, path)
+    for key in ("nodes", "chunks"):
+        if key not in v:
+            raise _Bad(f"{path}.{key}", "missing")
+    if not v["nodes"]:
+        raise _Bad(f"{path}.nodes", "an empty list (a chunked region runs at least one node)")
+
+
 _STATS = _obj({
+    "chunks": _list(_chunk),
     "sharding": _obj({"world_size": _int(1, 1 << 24), "sharding": _str(100, null=True)}),
     "no_checkpoint_peak_bytes": _BYTES,
     "own_checkpointing": _any,

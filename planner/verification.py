@@ -7,10 +7,14 @@ parameters, buffers and inputs the step starts with: the allocator's
 (`torch.cuda.max_memory_allocated` on CUDA, the profiler's allocator events
 on CPU: kernel workspaces included), which judges the budget, and the live
 tensor storages (`LiveMemory`). The model is left as it was found.
+
+`step_differences` is the same comparison without the timing, for the safety net (choose/safety_net.py)
+and for plans read from a file (`Plan.rebuild`: `check_loaded_step`, `check_measured`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from collections.abc import Callable
@@ -21,13 +25,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture.trace import normalize_inputs
+from .errors import PlanMismatchError
 from .model_state import ModelState
-from .plan import Plan
 from .profile.loss import default_loss  # re-exported: callers import it from here
 from .profile.memory import StepPeaks, measure_step_peaks  # re-exported: callers import them from here
 from .progress import logger, progress_enabled, stage
 
-__all__ = ["Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks"]
+__all__ = [
+    "Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks", "step_differences",
+    "check_loaded_step", "check_measured", "MEASURED_TOLERANCE",
+]
+
+MEASURED_TOLERANCE = 0.05
+"""How far (a fraction) a loaded plan's measured peaks may be from the same step measured again on the same
+kind of device: the allocator's own spread between runs is well inside it."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,8 @@ class Report:
     step_time_ratio: float
     """Median step time of plan.module over the original's."""
     budget_bytes: int | None
+    device: str = ""
+    """The kind of device both steps ran on ('cpu', 'cuda'): where a plan's measured figures can be re-measured."""
     differences: tuple[tuple[str, str, float], ...] = ()
     """What differs from the original: (kind, worst name, max abs difference), kind being
     'outputs', 'gradients' or 'buffers' (empty when the step is exact)."""
@@ -132,7 +145,7 @@ def _allclose(a: Any, b: Any) -> bool:
 
 def verify(
     model: torch.nn.Module,
-    plan: Plan,
+    plan: Any,
     example_inputs: Any = None,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -225,7 +238,98 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
         grads_equal=grads_equal,
         step_time_ratio=ratio,
         budget_bytes=plan.budget_bytes,
+        device=device.type,
     )
+
+
+def _digest(t: torch.Tensor) -> tuple:
+    """A tensor's shape, dtype and bytes, hashed: what a bitwise comparison needs of it."""
+    h = hashlib.sha256()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel():
+        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+    return (tuple(t.shape), t.dtype, h.hexdigest())
+
+
+def _same(a: Any, b: Any, bitwise: bool) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, tuple):  # digests (bitwise)
+        return a == b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if bitwise:
+        return torch.equal(a, b)
+    return bool(torch.allclose(a.double(), b.double(), rtol=_rtol(a.dtype), atol=_rtol(a.dtype), equal_nan=True))
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float32: 1.3e-6}.get(dtype, 1e-7) * 10
+
+
+def step_differences(
+    model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
+    bitwise: bool | None = None, reference: torch.nn.Module | None = None,
+) -> list[str] | None:
+    """What differs after one training step of `module` against one of `model` (the model's own
+    parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
+    the step itself where the module's raises and the model's does not. None where the model's own
+    step raises: there is nothing to compare with.
+    bitwise=False judges allclose in the dtype (plans made with exact=False); None: bitwise on the CPU.
+    `reference`: the module whose step stands for the model's (the step checkpointed per block, where
+    the plain step does not fit the budget); its parameters are the model's.
+    The first step's figures are kept off the device where they can be: a digest of each tensor's bytes
+    when judged bitwise, host copies on an accelerator, so comparing needs no second set of gradients
+    beside the step. The model is left as it was found (buffers, grads, modes, RNG)."""
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    device = next((t.device for _, t in params + buffers), torch.device("cpu"))
+    bitwise = device.type == "cpu" if bitwise is None else bitwise
+    with ModelState(model).preserved():
+        model.train()
+        module.train()
+        start = [b.detach().clone() for _, b in buffers]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+
+        def run(m: torch.nn.Module) -> tuple[list, list, list]:
+            with torch.no_grad():
+                for (_, b), v in zip(buffers, start):
+                    b.copy_(v)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            for _, p in params:
+                p.grad = None
+            out = m(*args, **kwargs)
+            default_loss(out).backward()
+            outs = [kept(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            del out
+            grads = [None if p.grad is None else kept(p.grad) for _, p in params]
+            for _, p in params:
+                p.grad = None
+            return outs, grads, [kept(b) for _, b in buffers]
+
+        def kept(t: torch.Tensor) -> Any:
+            t = t.detach()
+            if bitwise:
+                return _digest(t)
+            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+        try:
+            ref = run(model if reference is None else reference)
+        except Exception:  # noqa: BLE001 - the model cannot train one step as given: nothing to judge by
+            return None
+        try:
+            got = run(module)
+        except Exception as e:  # noqa: BLE001 - a plan whose step fails where the model's runs differs from it
+            return [f"the step ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"]
+    differ = []
+    if len(ref[0]) != len(got[0]) or not all(_same(a, b, bitwise) for a, b in zip(ref[0], got[0])):
+        differ.append("output")
+    differ += [name for (name, _), a, b in zip(params, ref[1], got[1]) if not _same(a, b, bitwise)]
+    differ += [name for (name, _), a, b in zip(buffers, ref[2], got[2]) if not _same(a, b, bitwise)]
+    return differ
 
 
 def _worst(kind: str, names: list[str], a: list[Any], b: list[Any]) -> tuple[str, str, float] | None:
@@ -268,3 +372,74 @@ def _time_ratio(model, module, args, kwargs, params, loss_fn, device, repeats, s
         for b, v in zip(model.buffers(), start):
             b.copy_(v)
     return statistics.median(ours) / max(1e-12, statistics.median(base))
+
+
+# -- plans read from a file ------------------------------------------------------------------------
+
+
+def check_loaded_step(plan: Any, model: torch.nn.Module, module: torch.nn.Module, args: tuple,
+                      kwargs: dict[str, Any]) -> None:
+    """PlanMismatchError unless one training step of `module` (a loaded plan, rebuilt on `model`) equals the
+    model's own: bitwise on the CPU, allclose in the dtype for a plan made with exact=False. A file's
+    regions and kept ops are whatever its writer chose, and the simulator cannot see a wrong replay (a
+    kept op whose output a later op changes, a random op): this is the check optimize() runs on every
+    plan it returns. A step that cannot be compared is refused too."""
+    exact = plan.stats.get("exact") is not False
+    found = step_differences(model, module, args, kwargs, bitwise=None if exact else False)
+    if found is None:
+        raise PlanMismatchError(
+            "plan: its training step cannot be checked against the model's own, which raises on these inputs "
+            "(or runs on no real device); rebuild with check_step=False to use the plan unchecked"
+        )
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise PlanMismatchError(
+            f"plan: one training step of its module differs from the model's own ({shown}); the plan's regions or "
+            "kept ops do not replay this model exactly: re-plan with optimize() or `ckpt-planner plan`"
+        )
+
+
+def check_measured(plan: Any, model: torch.nn.Module, module: torch.nn.Module, args: tuple,
+                   kwargs: dict[str, Any]) -> None:
+    """Re-measure a loaded plan's measured peaks where they can be: on the kind of device the file says they
+    were measured on (`stats.verify.device`), one step of `module` and one of `model` on the allocator.
+    A figure off by more than MEASURED_TOLERANCE raises PlanMismatchError naming it. Figures that cannot
+    be re-measured here (no device recorded, another device) are dropped from the plan, with a note: a
+    plan read from a file states only what was checked."""
+    fields = ("measured_peak_bytes", "baseline_measured_peak_bytes")
+    if all(getattr(plan, f) is None for f in fields):
+        return
+    params = list(model.parameters())
+    state = params + list(model.buffers())
+    device = next((t.device for t in state), torch.device("cpu"))
+    record = plan.stats.get("verify")
+    recorded_on = record.get("device") if isinstance(record, dict) else None
+    if recorded_on != device.type or device.type == "meta":
+        for f in fields:
+            setattr(plan, f, None)
+        where = f"on {recorded_on!r}" if isinstance(recorded_on, str) and recorded_on else "on a device it does not name"
+        plan.notes = (*plan.notes, f"the file's measured peaks (measured {where[:80]}) were dropped: they cannot be "
+                                   f"re-measured on this {device.type} model; verify() measures them again")
+        return
+    with ModelState(model).preserved():
+        model.train()
+        module.train()
+        start = [b.detach().clone() for b in model.buffers()]
+        for name, step in (("measured_peak_bytes", module), ("baseline_measured_peak_bytes", model)):
+            recorded = getattr(plan, name)
+            if recorded is None:
+                continue
+            with torch.no_grad():
+                for b, v in zip(model.buffers(), start):
+                    b.copy_(v)
+            try:
+                actual = measure_step_peaks(step, args, kwargs, params, state, default_loss, device)[0].allocator
+            finally:
+                for p in params:
+                    p.grad = None
+            if abs(recorded - actual) > MEASURED_TOLERANCE * max(actual, 1):
+                raise PlanMismatchError(
+                    f"plan {name}: the file says {recorded} bytes but one step on this {device.type} measures "
+                    f"{actual} bytes; the plan was edited or the model changed: re-plan with optimize() or "
+                    "`ckpt-planner plan`"
+                )

@@ -24,6 +24,7 @@ timing store, so the same model and budget give the same plan on the next run wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -45,17 +46,18 @@ from ..solvers.heuristics.structured import structured_plans
 from ..solvers.problem import Problem, ProblemError, Solution
 from ..solvers.registry import InfeasibleBudgetError, solve
 from ..solvers.simulate import normalize_regions, normalize_saved, simulate
+from ..verification import step_differences
 from .budget import inner_budget
 from .cost_refit import remember
 from .plan_store import plan_key
 from .profiled import Profiled, whole_modules_allowed
-from .safety_net import reference_module, step_differences
+from .safety_net import reference_module
 from .solve import finish
 
 __all__ = [
     "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
-    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned",
+    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned", "explicit_variants",
 ]
 
 AUTOTUNE_STEPS = 30
@@ -157,6 +159,7 @@ def candidates(
     problem: Problem, chosen: Candidate, budget: int, inner: int, runners_up: Sequence[tuple[str, Any, Any]] = (),
     *, limit: int = MAX_CANDIDATES, finish: Callable[[tuple], tuple] | None = None,
     modules: Callable[[tuple], list[tuple[tuple[int, int], str]] | None] | None = None,
+    hand_written: bool = True,
 ) -> list[Candidate]:
     """The plans to measure: `chosen` (the solver's) first, then the best plain hand-written plan, the
     best runner-up, and the rest by predicted time, `limit` in all. A plan takes part when its predicted
@@ -165,11 +168,15 @@ def candidates(
     saved) of other solvers; `finish` moves regions off in-place writes as every plan's are.
     `modules(regions)`: the whole submodules (span, path) a hand-written plan's regions are, if any; such
     a plan races as the model's own code with those modules checkpointed (as transformers runs it: no
-    captured graph to pay for), labelled "(modules)"."""
+    captured graph to pay for), labelled "(modules)"; anything but a function (None, False) means none.
+    `hand_written=False` races `runners_up` alone (a solver the user named: its own variants)."""
+    if not callable(modules):  # "no whole-module maker" may arrive as False: never called
+        modules = None
     admit = budget + max(0, budget - inner)
     pool: list[Candidate] = []
     seen = {(chosen.regions, chosen.saved)}
-    plans = [(p.name, p.regions, p.saved) for p in structured_plans(problem, inner)] + list(runners_up)
+    plans = [(p.name, p.regions, p.saved) for p in structured_plans(problem, inner)] if hand_written else []
+    plans += list(runners_up)
     for label, regions, saved in plans:
         whole = modules(tuple(regions)) if modules is not None and _hand_written(label) and not saved else None
         if whole:
@@ -278,21 +285,64 @@ def _entry(c: Candidate, m: Measured, base_s: float, budget: int, chosen: bool) 
     }
 
 
-def stored_choice(problem: Problem, entry: Any, budget: int) -> tuple[tuple, tuple, tuple, dict[str, Any]] | None:
+def stored_choice(problem: Problem, entry: Any, budget: int, inner: int | None = None,
+                  solver: str | None = None) -> tuple[tuple, tuple, tuple, dict[str, Any]] | None:
     """(regions, saved, module paths, record) of a choice an earlier run stored, when it is a plan of
-    `problem` that measured within `budget`; else None (measured afresh)."""
+    `problem` that fits `budget` now; else None (measured afresh). A store is a file anyone may edit, so
+    its plan is re-simulated: it fits when predicted within `budget`, or within the margin over it
+    (budget - `inner`) where its own record says it measured within the budget. `solver`: the solver the
+    user named; a stored plan another solver made (or a record naming none) is not the user's choice."""
     if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
         return None
     try:
         regions = normalize_regions(problem, [(int(s), int(e)) for s, e in entry["regions"]])
         saved = normalize_saved(problem, regions, [int(i) for i in entry["saved"]])
         modules = tuple(entry.get("modules", ()))
+        peak = simulate(problem, regions, saved=saved).peak_bytes
     except (ProblemError, KeyError, TypeError, ValueError):
         return None
     record = entry["record"]
     if record.get("budget_bytes") != budget or not regions or not all(isinstance(p, str) for p in modules):
         return None
+    if peak > budget and (peak > budget + max(0, budget - (budget if inner is None else inner))
+                          or not _measured_within(record, regions, budget)):
+        return None
+    if solver is not None and not _own_label(record.get("chosen"), solver):
+        return None
     return regions, saved, modules, record
+
+
+def _measured_within(record: dict[str, Any], regions: tuple, budget: int) -> bool:
+    """Whether `record` holds a chosen candidate of exactly `regions` measured within `budget`."""
+    for c in record.get("candidates", ()):
+        if isinstance(c, dict) and c.get("chosen") is True:
+            try:
+                same = tuple(tuple(int(x) for x in r) for r in c.get("regions", ())) == tuple(regions)
+                return same and int(c.get("measured_peak_bytes")) <= budget
+            except (TypeError, ValueError):
+                return False
+    return False
+
+
+def _own_label(label: Any, solver: str) -> bool:
+    """Whether a candidate's label names one of `solver`'s variants (`explicit_variants`)."""
+    return isinstance(label, str) and (label == f"{solver} plan" or label.startswith(f"{solver} at "))
+
+
+def explicit_variants(problem: Problem, solver: str, options: dict[str, Any], budget: int,
+                      inner: int) -> list[tuple[str, Any, Any]]:
+    """(label, regions, saved) of the plans the solver the user named makes between the budget the solvers
+    plan for (`inner`) and the budget widened by the margin: its variants, which differ in how much of the
+    margin they use. The clock decides among them; no other solver's plan takes part."""
+    admit = budget + max(0, budget - inner)
+    out = []
+    for target in dict.fromkeys((inner, (inner + budget) // 2, budget, admit)):
+        try:
+            found = solve(problem, target, solver, **options)
+        except (InfeasibleBudgetError, ProblemError, RuntimeError, ValueError, TypeError):
+            continue  # a solver that cannot reach this target adds no variant
+        out.append((f"{solver} at {target / 1e6:.2f} MB", found.regions, found.saved))
+    return out
 
 
 def device_measure(
@@ -359,15 +409,19 @@ def autotune_solution(
     measure: Measure, differs: Callable[[tuple, tuple, tuple], bool | None],
     finish: Callable[[tuple], tuple] | None = None, learn: bool = True,
     modules: Callable[[tuple], list[tuple[tuple[int, int], str]] | None] | None = None,
+    solver: str | None = None, options: dict[str, Any] | None = None,
 ) -> tuple[Solution, list[str]]:
     """The plan to return after the solve (and its safety-net check): the choice stored under `key` by an
     earlier run where it is still a plan of this graph for this budget, else the measured choice among
     the candidates, which is then stored (and its rows given to the cost model's refit when `learn`).
     A winner other than `solution` passes the safety net's check (`differs(regions, saved, modules)`) or
     `solution` stands. Returns (plan, notes); the plan's stats carry the record under "autotune", and
-    under WHOLE_MODULES the module paths when the winner runs as the model's own code (see `candidates`)."""
+    under WHOLE_MODULES the module paths when the winner runs as the model's own code (see `candidates`).
+    `solver`: the solver the user named (None for "auto"): only its variants race (`explicit_variants`),
+    since naming a solver is the user's choice of plan. Whatever wins, or comes from the store, is within
+    the budget as predicted, or within the margin over it and measured within it."""
     notes: list[str] = []
-    stored = stored_choice(problem, store.get("plans", key), budget)
+    stored = stored_choice(problem, store.get("plans", key), budget, inner, solver)
     if stored is not None:
         regions, saved, paths, record = stored
         same = (regions, saved, paths) == (tuple(solution.regions), tuple(solution.saved), ())
@@ -377,16 +431,21 @@ def autotune_solution(
     chosen = _candidate(problem, f"{solution.solver} plan", solution.regions, solution.saved, None)
     if chosen is None:
         return solution, notes
-    runners = []
-    for name in RUNNERS_UP:
-        if name in (solution.solver, solution.stats.get("chosen")):
-            continue
-        try:
-            found = solve(problem, inner, name)
-        except (InfeasibleBudgetError, ProblemError, RuntimeError):
-            continue
-        runners.append((name, found.regions, found.saved))
-    cands = candidates(problem, chosen, budget, inner, runners, finish=finish, modules=modules)
+    if solver is not None:
+        chosen = dataclasses.replace(chosen, label=f"{solver} plan")
+        runners = explicit_variants(problem, solver, dict(options or {}), budget, inner)
+    else:
+        runners = []
+        for name in RUNNERS_UP:
+            if name in (solution.solver, solution.stats.get("chosen")):
+                continue
+            try:
+                found = solve(problem, inner, name)
+            except (InfeasibleBudgetError, ProblemError, RuntimeError):
+                continue
+            runners.append((name, found.regions, found.saved))
+    cands = candidates(problem, chosen, budget, inner, runners, finish=finish, modules=modules,
+                       hand_written=solver is None)
     tuned = tune(cands, budget, measure, steps)
     record = {**tuned.record, "from_store": False}
     result = solution
@@ -452,4 +511,5 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
             key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
             finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not spans,
             modules=modules if whole_modules_allowed(p) else None,
+            solver=None if cfg.solver == "auto" else cfg.solver, options=dict(cfg.options),
         )

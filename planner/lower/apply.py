@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -374,12 +374,15 @@ def module_aligned(
     return current, spans, misaligned
 
 
-def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = False) -> Application:
+def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = False,
+               check: Callable[[list[str]], None] | None = None) -> Application:
     """Checkpoint, in place, the submodules of `model` that carry out `plan` (see module docstring).
 
     The module-level plan is simulated before anything is changed; when it is over the plan's
     budget, InfeasibleBudgetError names the least peak a module-level plan reaches, and the model
     is left untouched, unless `allow_over_budget=True` (then it is applied and a note says so).
+    `check(paths)` runs last before the model is changed (a loaded plan's step against the model's):
+    whatever it raises leaves the model untouched.
     """
     problem: Problem | None = getattr(plan, "problem", None)
     if problem is None:
@@ -415,6 +418,8 @@ def apply_plan(plan: Any, model: torch.nn.Module, *, allow_over_budget: bool = F
             ),
         )
     paths = [spans[sp] for sp in spans_used]
+    if check is not None:
+        check(paths)
     applied = checkpoint_modules(model, paths)
     notes = []
     if misaligned:
