@@ -171,6 +171,17 @@ def eager_scaled_dot_product_attention(
     )
 
 
+def _dropped_mask_is_causal(module: torch.nn.Module, causal_ok: bool, bidirectional_ok: bool) -> bool:
+    """Whether SDPA runs causal where eager dropped the mask. Eager passes `is_causal` from the call's keywords,
+    else the module's attribute; the keywords are not in the graph (CLIP's text encoder passes True to
+    attention modules whose attribute says False). A mask dropped by the causal rule was exactly the
+    causal mask, so eager can only be right with a causal kernel there; where only the bidirectional rule
+    applies, the mask allowed everything and the module's own flag holds."""
+    if causal_ok and not bidirectional_ok:
+        return True
+    return bool(getattr(module, "is_causal", True))
+
+
 def _unrepeat(node: Any, n_rep: int) -> tuple[fx.Node, list[fx.Node]] | None:
     """The key/value heads before `repeat_kv` (unsqueeze(2) -> expand -> reshape), and the chain's nodes.
 
@@ -289,7 +300,7 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
                     "n_rep": n_rep,
                     "dropout_p": a["dropout_p"],
                     "scale": a["scale"],
-                    "is_causal": bool(getattr(module, "is_causal", True)),
+                    "is_causal": _dropped_mask_is_causal(module, causal_ok, bidirectional_ok),
                 },
             )
         new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "val")})

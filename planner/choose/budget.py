@@ -186,7 +186,7 @@ def reference_over_budget(p: Profiled, budget: int) -> int:
     the step checkpointed per block (or the plain step where that saves nothing)."""
     if not p.check or not p.cost.stages or p.reference_fits(budget):
         return 0
-    return simulate(p.problem, p.reference_regions).peak_bytes - budget
+    return p.reference_peak_bytes - budget
 
 
 def refuse_unplannable(p: Profiled, budget: int, solver: str, smallest: int) -> None:

@@ -64,6 +64,7 @@ class Profiled:
     """Python values the graph holds as constants, checked before each training call of plan.module."""
     floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
     _reference: tuple[Regions, tuple[str, ...]] | None = None
+    _reference_peak: int | None = None
 
     @property
     def profile_config(self) -> ProfileConfig:
@@ -116,21 +117,31 @@ class Profiled:
         return self._reference_plan()[1]
 
     def _reference_plan(self) -> tuple[Regions, tuple[str, ...]]:
+        # Computed on the problem as profiled, before the safety net forbids any node: the reference is the
+        # model's own code under torch's checkpoint, whatever this planner may no longer recompute.
         if self._reference is None:
             self._reference = ((), ())
+            self._reference_peak = self.no_checkpoint_peak_bytes
             if self.cost.stages and whole_modules_allowed(self):
                 blocks = per_block_regions(self.problem, self.capture.graph_module)
                 whole = whole_module_spans(self.problem, self.model, blocks) if blocks else None
                 whole = _repeated(self.model, whole or [])
                 if whole:
                     spans = tuple(span for span, _ in whole)
-                    if simulate(self.problem, spans).peak_bytes < self.no_checkpoint_peak_bytes:
-                        self._reference = (spans, tuple(path for _, path in whole))
+                    peak = simulate(self.problem, spans).peak_bytes
+                    if peak < self._reference_peak:
+                        self._reference, self._reference_peak = (spans, tuple(path for _, path in whole)), peak
         return self._reference
+
+    @property
+    def reference_peak_bytes(self) -> int:
+        """The reference step's predicted peak (bytes)."""
+        self._reference_plan()
+        return self._reference_peak
 
     def reference_fits(self, budget: int) -> bool:
         """Whether the reference step is predicted within `budget` (bytes), to the simulator's tolerance."""
-        return simulate(self.problem, self.reference_regions).peak_bytes <= budget * (1 + REFERENCE_TOLERANCE)
+        return self.reference_peak_bytes <= budget * (1 + REFERENCE_TOLERANCE)
 
     def store(self) -> TimingStore:
         """The device's timing store (plans kept, autotune choices, the cost refit)."""
@@ -138,6 +149,7 @@ class Profiled:
 
     def narrowed(self, problem: Problem) -> None:
         """The safety net forbade some nodes: every cached floor plan is stale."""
+        self._reference_plan()  # fixed on the problem as profiled (see there)
         self.problem = problem
         self.floors.clear()
 

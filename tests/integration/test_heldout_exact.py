@@ -392,3 +392,47 @@ def test_inexact_parts_finds_the_fault(saved, faulty, expected):
         return bool(kept and "kept" in faulty) or any(r in faulty for r in rs)
 
     assert inexact_parts(regions, saved, differs) == expected
+
+
+# -- CLIP: attention modules told causal by their caller ----------------------------------------
+
+
+def _clip():
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+
+    torch.manual_seed(0)
+    text = CLIPTextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          vocab_size=256, max_position_embeddings=32)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8)
+    model = CLIPModel(CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=32))
+    inputs = {"input_ids": torch.randint(0, 256, (4, 16)), "pixel_values": torch.randn(4, 3, 32, 32), "return_loss": True}
+    return model, inputs
+
+
+def test_clip_captured_graph_is_the_models_step():
+    """CLIP's text attention modules say is_causal=False and get is_causal=True from their caller: where eager
+    drops the causal mask, the captured graph must run a causal kernel too (it ran unmasked attention)."""
+    from ckpt_planner.capture.trace import capture
+
+    model, inputs = _clip()
+    cap = capture(model, inputs)
+    assert cap.method == "export"
+    assert _same(step(cap.graph_module, model, (), inputs), step(model, model, (), inputs))
+
+
+def _same(a, b) -> bool:
+    outs_a, grads_a, bufs_a = a
+    outs_b, grads_b, bufs_b = b
+    return (all(torch.equal(x, y) for x, y in zip(outs_a, outs_b, strict=True))
+            and all((grads_a[k] is None) == (grads_b[k] is None) and (grads_a[k] is None or torch.equal(grads_a[k], grads_b[k]))
+                    for k in grads_a)
+            and all(torch.equal(bufs_a[k], bufs_b[k]) for k in bufs_a))
+
+
+@pytest.mark.slow  # about a minute: capture, a stage-wise profile and the safety net on a two-tower model
+def test_clip_is_planned_exactly():
+    model, inputs = _clip()
+    plan = optimize(model, inputs, activation_budget=0.85, solver="dp", profile_config=FLOPS)
+    assert plan.regions
+    assert _same(step(plan.module, model, (), inputs), step(model, model, (), inputs))

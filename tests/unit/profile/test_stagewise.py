@@ -214,3 +214,16 @@ def test_plans_and_trains_under_a_memory_cap_half_its_plain_step():
             assert torch.cuda.max_memory_allocated() <= cap
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def test_the_reference_is_the_models_own_after_the_safety_net_forbids_nodes():
+    """The reference runs the model's own code under torch's checkpoint: nodes the safety net later
+    forbids this planner to recompute do not change its peak, and reading it must not fail."""
+    model, inputs = _blocks()
+    planner = Planner(model, inputs, profile_config=dataclasses.replace(FLOPS, bounded=True))
+    p = planner.profiled
+    peak = simulate(p.problem, p.reference_regions).peak_bytes
+    nodes = [dataclasses.replace(n, recomputable=False) for n in p.problem.nodes]
+    p.narrowed(dataclasses.replace(p.problem, nodes=tuple(nodes)))
+    assert p.reference_peak_bytes == peak
+    assert p.reference_fits(peak) and not p.reference_fits(int(peak / (1 + REFERENCE_TOLERANCE)) - 1)
