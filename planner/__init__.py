@@ -40,6 +40,7 @@ _EXPORTS = {
     "PlanMismatchError": "errors",
     "InfeasibleBudgetError": "solvers.registry",
     "UnknownSolverError": "solvers.registry",
+    "export_for_cli": "cli.export",
 }
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "PlanMismatchError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
+    "export_for_cli",
 ]
 
 
@@ -84,6 +86,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .api import Planner, optimize
     from .capture.trace import Capture
+    from .cli.export import export_for_cli
     from .errors import (
         CaptureError,
         InputError,

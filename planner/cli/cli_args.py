@@ -109,6 +109,9 @@ _EPILOGS = {
     "bench": "example:\n  ckpt-planner bench models.py:make_gpt --input input_ids=2,128:int64:0-8192 "
              "--input labels=2,128:int64:0-8192 --solvers none,uniform,dp --activation-budget 0.75 -o bench.json\n"
              "  (models.py:make_gpt as in the README: GPT2LMHeadModel, 4 layers, n_embd 256, vocab 8192)",
+    "export": "example:\n  ckpt-planner export models.py:make_gpt --input input_ids=2,128:int64:0-8192 "
+              "--input labels=2,128:int64:0-8192 -o gpt.pt2\n"
+              "  ckpt-planner plan gpt.pt2 --activation-budget 0.75 -o gpt-plan.json",
     "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
               "  ckpt-planner report plan.json --format md -o report.md",
 }
@@ -170,6 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-o", "--output", help="bench file to write (JSON, for `report --bench`)")
     _common(bench)
     bench.set_defaults(command="bench")
+
+    export = sub.add_parser("export", help="save a model as a .pt2 that returns plain tensors, for plan/apply/bench",
+                            description="Export MODEL with torch.export in training mode, wrapped so that it returns "
+                            "plain tensors (a transformers ModelOutput cannot be loaded where transformers is not "
+                            "imported), and save it with its inputs as the default ones.",
+                            epilog=_EPILOGS["export"], formatter_class=raw)
+    _model_options(export, budget=False)
+    export.add_argument("--returns", choices=["auto", "loss", "logits", "tensors"], default="auto",
+                        help="what the program returns: the loss (give labels), the logits, or every tensor of the "
+                             "output as a flat tuple; auto (default): the loss when there is one, else the logits, "
+                             "else every tensor")
+    export.add_argument("-o", "--output", required=True, help=".pt2 file to write")
+    _common(export)
+    export.set_defaults(command="export")
 
     report = sub.add_parser("report", help="HTML or Markdown report of a plan, with plots",
                             epilog=_EPILOGS["report"], formatter_class=raw)

@@ -1,6 +1,6 @@
 """The `ckpt-planner` command line (also `python -m ckpt_planner`).
 
-Subcommands: plan, apply, bench, report, profile, demo. Every error is one
+Subcommands: plan, apply, bench, report, profile, demo, export. Every error is one
 line on stderr. Exit codes: 0 ok, 1 infeasible budget or failed
 verification, 2 bad usage or bad input (missing or unreadable file, bad
 shape, unknown solver, plan for another model, unwritable output), 130
@@ -487,8 +487,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- export ---------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Save MODEL as a .pt2 that returns plain tensors, with its inputs as the default ones (export.py)."""
+    from ..errors import InputError
+    from .export import export_program, save_program
+
+    if args.device == "meta":
+        raise InputError("device: a .pt2 holds the model's weights, which the meta device has none of; use cpu or cuda")
+    out = _check_output(args.output, "output", args=args)
+    loaded, inputs, record = _model_and_inputs(args)
+    program, returns = export_program(loaded.model, inputs, returns=args.returns)
+    save_program(program, out)
+    shown = record.get("inputs") or record.get("inputs_file") or record.get("inputs_source")
+    if args.json:
+        _out(args, json.dumps({"output": str(out), "returns": returns, "inputs": shown}))
+    what = "every tensor of the output" if returns == "tensors" else f"the {returns}"
+    inputs_text = " ".join(shown) if isinstance(shown, list) else shown
+    _say(args, f"wrote {out}: returns {what}; its inputs, the default ones: {inputs_text}\n"
+               f"plan it:  ckpt-planner plan {out} --activation-budget 0.75 -o plan.json")
+    return EXIT_OK
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan, "apply": cmd_apply, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo, "profile": cmd_profile,
+    "export": cmd_export,
 }
 
 

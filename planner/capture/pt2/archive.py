@@ -444,8 +444,61 @@ def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> A
             "--trust-pickle (trust_pickle=True) only if you trust it"
         )
     guard = contextlib.nullcontext() if trust_pickle else _weights_only_loads()
+    logged: list[BaseException] = []
     try:
-        with quiet_torch_export(), guard:
+        with quiet_torch_export(), _logged_errors(logged), guard:
             return torch.export.load(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - corrupt or foreign archive
-        raise InputError(f"model file {label} cannot be loaded with torch.export.load: {_first_line(e)}") from None
+        raise InputError(f"model file {label} cannot be loaded with torch.export.load: {_load_failure(e, logged)}") from None
+
+
+_UNREGISTERED = re.compile(r"Deserializing (\S+?)\.? in pytree is not registered")
+
+
+@contextlib.contextmanager
+def _logged_errors(found: list[BaseException]) -> Iterator[None]:
+    """Collect the exceptions torch.export logs and prints nothing.
+
+    `torch.export.load` catches the error that stopped it, logs it as a warning of the `torch.export`
+    logger and raises a RuntimeError that only says to "check the warnings above"; its cause is in the
+    log record, not in the exception's chain. While the load runs, the logger's only handler is the one
+    that keeps them (torch gives it one that prints to stderr), and a command line's `logging.disable`,
+    which would drop the record before any handler sees it, is lowered to let warnings through.
+    """
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info and record.exc_info[1] is not None:
+                found.append(record.exc_info[1])
+
+    logger, handler = logging.getLogger("torch.export"), Keep(logging.WARNING)
+    saved = (logger.level, logger.propagate, logger.disabled, logger.handlers, logging.root.manager.disable)
+    logger.setLevel(logging.WARNING)
+    logger.propagate, logger.disabled, logger.handlers = False, False, [handler]
+    if saved[4] >= logging.WARNING:
+        logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved[0])
+        logger.propagate, logger.disabled, logger.handlers = saved[1], saved[2], saved[3]
+        logging.disable(saved[4])
+
+
+def _load_failure(e: BaseException, logged: list[BaseException]) -> str:
+    """What stopped torch.export.load, in one line: the logged cause when torch hid it, and what to do when
+    the program's inputs or outputs are a type registered with torch's pytree only by its own library."""
+    cause = next(iter(logged), None) or e.__cause__ or e
+    found = _UNREGISTERED.search(str(cause))
+    if found is None:
+        return _first_line(cause)
+    name = found.group(1)
+    return (
+        f"{_first_line(cause)} The program returns or takes a {name}, a type torch rebuilds only once its "
+        "library has registered it with torch's pytree (a transformers ModelOutput, on `import transformers`), "
+        "and the command line never imports a library a file names. Export the model so that it returns plain "
+        "tensors: `ckpt-planner export MODEL --input ... -o model.pt2` (Python: "
+        "`ckpt_planner.export_for_cli(model, inputs, 'model.pt2')`), which returns the loss alone when labels "
+        f"are given, else the logits or a tuple of tensors; or, in Python, register {name} before loading it "
+        "(for a transformers type, `import transformers` does)"
+    )
