@@ -1,10 +1,10 @@
-"""LightningPlanCallback: plan checkpointing for a `lightning.Trainer` run on its first batch.
+"""LightningPlanCallback: plan checkpointing for a `lightning.Trainer` run and run that plan.
 
     trainer = lightning.Trainer(callbacks=[LightningPlanCallback(activation_budget=0.5)])
 
-It hooks the LightningModule's forward (or the submodule named by `module`, for a
-`training_step` that calls `self.model(x)`), plans on its first call with that call's
-inputs, and applies the plan in place. See planner/integrations/core.py.
+It takes over the LightningModule's forward (or that of the submodule named by `module`, for a
+`training_step` that calls `self.model(x)`), plans on its first training call at the longest length,
+and runs the chosen plan in place. See planner/integrations/core.py.
 """
 
 from __future__ import annotations
@@ -17,18 +17,24 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError('LightningPlanCallback needs lightning: pip install "ckpt-planner[lightning]"') from e
 
 from .core import FirstBatchPlanner
+from .lengths import collators_of
 
 __all__ = ["LightningPlanCallback"]
 
+_READ = ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes", "measurements", "planned_shapes",
+         "planning_s")
+
 
 class LightningPlanCallback(Callback):
-    """Plan on the first batch, apply in place, log the predicted and the measured peak.
+    """Plan on the first batch at the longest length, run the chosen plan in place, log predicted and measured peaks.
 
-    Keyword arguments are those of `optimize()` (default activation_budget=0.5), plus
-    `module` (submodule path of the LightningModule whose forward the training step calls;
-    default the LightningModule itself) and `measure_step` (default 1). The first optimizer
-    of the run is counted unless `optimizer=` is given. After training: `.plan`,
-    `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes).
+    Keyword arguments are those of `optimize()` (default activation_budget=0.5, on_larger_shape='replan'),
+    plus `module` (submodule path of the LightningModule whose forward the training step calls; default
+    the LightningModule itself), `max_length` (default 'auto': the collator's or its tokenizer's, or a
+    `tokenizer` on the datamodule or the LightningModule, else the first batch's), `apply` ('graph' or
+    'modules') and `measure_step` (default 1). The first optimizer of the run is counted unless
+    `optimizer=` is given. After training: `.plan`, `.application`, `.predicted_peak_bytes`,
+    `.measured_peak_bytes` (bytes, the longest batch measured), `.measurements`.
 
     Lightning runs `training_step` before `zero_grad`, so the last step's gradients would stay
     alive through the forward, a peak the plan does not count (one more copy of the parameters).
@@ -41,12 +47,17 @@ class LightningPlanCallback(Callback):
         self.planner = FirstBatchPlanner(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes"):
+        if name in _READ:
             return getattr(self.__dict__["planner"], name)
         raise AttributeError(name)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.planner.attach(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        datamodule = getattr(trainer, "datamodule", None)
+        self.planner.attach(
+            pl_module, trainer.optimizers[0] if trainer.optimizers else None,
+            collators=collators_of(getattr(trainer, "train_dataloader", None)),
+            tokenizers=(getattr(datamodule, "tokenizer", None), getattr(pl_module, "tokenizer", None)),
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.free_grads and pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:

@@ -1,9 +1,10 @@
-"""TrainerPlanCallback: plan checkpointing for a `transformers.Trainer` run on its first batch.
+"""TrainerPlanCallback: plan checkpointing for a `transformers.Trainer` run and run that plan.
 
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[TrainerPlanCallback(activation_budget=0.5)])
+    trainer = Trainer(model, args, train_dataset=ds, data_collator=collator,
+                      callbacks=[TrainerPlanCallback(activation_budget=0.5, max_length=512)])
 
-The model object stays the Trainer's: the plan is applied in place (`Plan.apply`), so
-the optimizer, `state_dict` keys and saving are untouched. See planner/integrations/core.py.
+The model object stays the Trainer's: its forward runs the plan's own module, which shares its
+parameters, so the optimizer, `state_dict` keys and saving are untouched. See planner/integrations/core.py.
 """
 
 from __future__ import annotations
@@ -16,30 +17,42 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("TrainerPlanCallback needs transformers: pip install transformers") from e
 
 from .core import FirstBatchPlanner
+from .lengths import collators_of
 
 __all__ = ["TrainerPlanCallback"]
 
+_READ = ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes", "measurements", "planned_shapes",
+         "planning_s")
+
 
 class TrainerPlanCallback(TrainerCallback):
-    """Plan on the first batch, apply in place, log the predicted and the measured peak.
+    """Plan on the first batch at the longest length, run the chosen plan in place, log predicted and measured peaks.
 
     Keyword arguments are those of `optimize()` (budget_gb, budget_bytes, activation_budget,
-    solver, ...; default activation_budget=0.5), plus `module` (a submodule path to plan
-    instead of the whole model) and `measure_step` (the step whose peak is measured, default 1).
-    The Trainer's optimizer is counted unless `optimizer=` is given. After training:
-    `.plan`, `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes).
+    solver, ...; default activation_budget=0.5, on_larger_shape='replan'), plus `module` (a submodule
+    path to plan instead of the whole model), `max_length` (the length to plan at; default 'auto': the
+    collator's `max_length`, else the tokenizer's `model_max_length`, else the first batch's),
+    `apply` ('graph', default: the plan's own module; 'modules': whole submodules only) and
+    `measure_step` (the first step measured, default 1; every later step with larger inputs is measured
+    too). The Trainer's optimizer is counted unless `optimizer=` is given. After training: `.plan`,
+    `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes, the longest batch
+    measured), `.measurements`. At the end of training the model's own forward is put back.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         self.planner = FirstBatchPlanner(**kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes"):
+        if name in _READ:
             return getattr(self.__dict__["planner"], name)
         raise AttributeError(name)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.planner.attach(model, optimizer)
+        processing = kwargs.get("processing_class")
+        self.planner.attach(
+            model, optimizer, collators=collators_of(kwargs.get("train_dataloader")),
+            tokenizers=(processing, getattr(processing, "tokenizer", None)),
+        )
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.planner.step_begin(model, optimizer)

@@ -1,0 +1,207 @@
+"""A chosen plan run in place: the model object stays, its forward runs the plan's own module.
+
+`Plan.apply` checkpoints whole submodules, which is the plan only when its regions follow module
+boundaries. Training loops that own the model object (HF Trainer, Lightning) can run the plan
+itself instead: `run_in_place` swaps the forward of that one instance for a call to `plan.module`,
+which shares every parameter and buffer with it (same tensor objects), so the optimizer, the
+`state_dict` keys, `save_pretrained` and the hooks on the model itself see the same model. The
+swapped forward runs the plan only in training with grad enabled (the capture baked the training
+flags of dropout and BatchNorm in); eval and no-grad calls run the model's own forward.
+`restore_forward` undoes it.
+
+Where only whole modules can be checkpointed (parameters sharded per submodule, a capture that
+pinned every size), `module_candidates` solves in that plan space: the nearest whole-module plan,
+each repeated block, and a greedy pick of modules by memory saved per recompute second, each
+simulated on the plan's Problem; `best_module_plan` keeps the one that fits with the least recompute.
+
+`executed_regions` reads back what a checkpointed module runs (each region's first and last node
+and its kept ops), to hold against the plan's regions.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..solvers.problem import Problem
+from ..solvers.simulate import simulate
+from .apply import _unwrap, module_aligned
+from .rewrite import CheckpointRegion
+
+__all__ = [
+    "run_in_place", "restore_forward", "running_module", "executed_regions", "ModuleCandidate",
+    "module_candidates", "best_module_plan",
+]
+
+_PLANNED = "_ckpt_planner_planned"  # instance attribute: (the planned module, the forward it replaced)
+
+
+def run_in_place(model: torch.nn.Module, planned: torch.nn.Module,
+                 call: Callable[..., Any] | None = None) -> None:
+    """Make `model`'s forward (this instance only) run `planned` in training, its own forward otherwise.
+
+    `call(planned, previous, args, kwargs)` replaces the plain `planned(*args, **kwargs)` (the callbacks
+    use it to bind arguments and measure). Raises ValueError when `model` already runs a plan.
+    """
+    if _PLANNED in model.__dict__:
+        raise ValueError(f"{type(model).__name__} already runs a plan in place; restore_forward(model) first")
+    previous = model.__dict__.get("forward")
+    own = previous if previous is not None else type(model).forward.__get__(model, type(model))
+
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return own(*args, **kwargs)
+        if call is not None:
+            return call(planned, own, args, kwargs)
+        return planned(*args, **kwargs)
+
+    model.__dict__[_PLANNED] = (planned, previous)
+    model.forward = types.MethodType(forward, model)
+
+
+def restore_forward(model: torch.nn.Module) -> bool:
+    """Undo `run_in_place`; True when there was something to undo."""
+    entry = model.__dict__.pop(_PLANNED, None)
+    if entry is None:
+        return False
+    previous = entry[1]
+    if previous is not None:
+        model.forward = previous
+    else:
+        model.__dict__.pop("forward", None)
+    return True
+
+
+def running_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The planned module `model`'s forward runs in training (None when it runs its own code)."""
+    entry = model.__dict__.get(_PLANNED)
+    return entry[0] if entry is not None else None
+
+
+# -- what a checkpointed module runs ---------------------------------------------------
+
+
+def _ends(region: CheckpointRegion, regions: dict[str, CheckpointRegion], last: bool) -> str:
+    """Name of the region's first (or last) graph node, looking through nested regions and their unpacking."""
+    nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if last:
+        nodes.reverse()
+    for node in nodes:
+        if last and node.op == "call_function" and node.target is operator.getitem:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and source.op == "call_module" and source.target in regions:
+                continue  # unpacking a nested region's outputs
+        if node.op == "call_module" and node.target in regions:
+            return _ends(regions[node.target], regions, last)
+        return node.name
+    return ""
+
+
+def executed_regions(module: torch.nn.Module) -> list[tuple[str, str, frozenset[int]]]:
+    """(first node, last node, kept positions) of each checkpoint region `module` runs, sorted.
+
+    Region submodules are looked up by their name on the checkpointed root (nested ones included), so
+    the result reads the graph that runs, not the plan it came from.
+    """
+    regions = {name: m for name, m in module.named_modules() if isinstance(m, CheckpointRegion)}
+    by_target = {name.rsplit(".", 1)[-1]: m for name, m in regions.items()}
+    out = [(_ends(m, by_target, False), _ends(m, by_target, True), m.saved_positions) for m in regions.values()]
+    return sorted(out, key=lambda r: (r[0], r[1], sorted(r[2])))
+
+
+# -- whole modules only -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModuleCandidate:
+    """A plan made of whole modules, simulated on the plan's Problem."""
+
+    name: str
+    """'as planned' (the plan's own regions are whole modules), 'nearest', 'per block' or 'greedy'."""
+    spans: tuple[tuple[int, int], ...]
+    paths: tuple[str, ...]
+    peak_bytes: int
+    recompute_s: float
+
+    def fits(self, budget_bytes: int | None) -> bool:
+        return budget_bytes is None or self.peak_bytes <= budget_bytes
+
+
+def _candidate(name: str, problem: Problem, spans: Sequence[tuple[int, int]], paths_of: dict) -> ModuleCandidate:
+    spans = sorted(set(spans), key=lambda sp: (sp[0], -sp[1]))
+    sim = simulate(problem, spans)
+    return ModuleCandidate(name, tuple(spans), tuple(paths_of[sp] for sp in spans), sim.peak_bytes, sim.recompute_time)
+
+
+def _blocks(spans: dict[tuple[int, int], str], model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Spans of the outermost modules held in a ModuleList or Sequential of two or more (the repeated blocks)."""
+    modules = dict(model.named_modules())
+    out = []
+    for sp, path in spans.items():
+        parent = path.rpartition(".")[0]
+        container = modules.get(parent)
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)) and len(container) > 1:
+            out.append(sp)
+    return [sp for sp in out if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in out)]
+
+
+def _greedy(problem: Problem, spans: dict[tuple[int, int], str], budget_bytes: int | None) -> list[tuple[int, int]]:
+    """Disjoint whole modules added one at a time, the most peak lowered per recompute second first,
+    until the budget is met; then modules whose removal keeps it met are dropped."""
+    target = budget_bytes if budget_bytes is not None else 0
+    chosen: list[tuple[int, int]] = []
+    sim = simulate(problem, chosen)
+    while sim.peak_bytes > target:
+        best = None
+        for sp in spans:
+            if any(not (sp[1] < c[0] or c[1] < sp[0]) for c in chosen):
+                continue
+            trial = simulate(problem, [*chosen, sp])
+            gain = sim.peak_bytes - trial.peak_bytes
+            if gain <= 0:
+                continue
+            score = gain / max(trial.recompute_time - sim.recompute_time, 1e-9)
+            if best is None or score > best[0]:
+                best = (score, sp, trial)
+        if best is None:
+            break
+        chosen.append(best[1])
+        sim = best[2]
+    limit = max(target, sim.peak_bytes)
+    for sp in sorted(chosen, key=lambda s: s[1] - s[0]):
+        trial = [c for c in chosen if c != sp]
+        if simulate(problem, trial).peak_bytes <= limit:
+            chosen = trial
+    return chosen
+
+
+def module_candidates(plan: Any, model: torch.nn.Module) -> list[ModuleCandidate]:
+    """Whole-module plans for `plan` (which must carry its Problem), each simulated: the plan itself
+    when its regions are whole modules, else the nearest whole-module plan, every repeated block, and
+    a greedy pick by peak lowered per recompute second."""
+    problem: Problem | None = getattr(plan, "problem", None)
+    if problem is None:
+        raise ValueError("plan: no Problem (a plan loaded from a file); plan with optimize() first")
+    model = _unwrap(model)
+    nearest, spans, misaligned = module_aligned(problem, model, plan.spans(), plan.budget_bytes)
+    if not misaligned and not any(r.saved_positions for r in plan.regions):
+        return [_candidate("as planned", problem, nearest, spans)]
+    out = [_candidate("nearest", problem, nearest, spans)]
+    blocks = _blocks(spans, model)
+    if blocks:
+        out.append(_candidate("per block", problem, blocks, spans))
+    out.append(_candidate("greedy", problem, _greedy(problem, spans, plan.budget_bytes), spans))
+    return out
+
+
+def best_module_plan(candidates: Sequence[ModuleCandidate], budget_bytes: int | None) -> ModuleCandidate:
+    """The candidate within the budget with the least recompute (then the lower peak); else the lowest peak."""
+    fitting = [c for c in candidates if c.fits(budget_bytes)]
+    if fitting:
+        return min(fitting, key=lambda c: (c.recompute_s, c.peak_bytes))
+    return min(candidates, key=lambda c: (c.peak_bytes, c.recompute_s))
