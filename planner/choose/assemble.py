@@ -67,6 +67,13 @@ def own_notes(p: Profiled, mode: str) -> list[str]:
     return notes
 
 
+def _region_times(problem: Problem, regions, kept: set[int]) -> list[float]:
+    """Each region's recompute seconds as the plan's total counts them: the simulator's, on the problem's
+    node times (refit included), without the kept ops, with its checkpoint call. Regions that do not nest
+    recompute independently, so theirs add up to the plan's total; a region holding others counts theirs too."""
+    return [simulate(problem, [(s, e)], saved=[i for i in kept if s <= i <= e]).recompute_time for s, e in regions]
+
+
 def plan_from_solution(
     cost: CostGraph,
     problem: Problem,
@@ -90,8 +97,9 @@ def plan_from_solution(
             stack.pop()
         depth_of.append(len(stack))
         stack.append((s, e))
+    own_times = _region_times(problem, solution.regions, kept)
     regions = []
-    for (s, e), depth in zip(solution.regions, depth_of):
+    for (s, e), depth, own_time in zip(solution.regions, depth_of, own_times):
         mods: list[str] = []
         for n in cost.nodes[s : e + 1]:
             top = n.module
@@ -105,7 +113,7 @@ def plan_from_solution(
                 last_node=cost.nodes[e].name,
                 modules=tuple(_collapse(mods)),
                 depth=depth,
-                recompute_s=sum(n.time for n in cost.nodes[s : e + 1]),
+                recompute_s=own_time,
                 saved_bytes=sum(saved[s : e + 1]),
                 saved_ops=tuple(cost.nodes[i].name for i in range(s, e + 1) if i in kept),
                 saved_positions=tuple(i for i in range(s, e + 1) if i in kept),
