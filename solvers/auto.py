@@ -77,7 +77,11 @@ def auto(
         if name == "ilp":
             # No fallback inside the ILP when the plans of other solvers are here already.
             alone = all(other == "ilp" for other in names)
-            options = {"time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP, "fallback": alone}
+            # dp's plans are compared here anyway: the ILP need not run dp again.
+            options = {
+                "time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP, "fallback": alone,
+                "nested": "dp" not in names,
+            }
         logger.info("auto: running %s (%d/%d) on %d nodes", name, names.index(name) + 1, len(names), problem.n)
         t0 = time.perf_counter()
         try:

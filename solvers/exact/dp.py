@@ -43,6 +43,7 @@ __all__ = [
     "DPConfig",
     "DPSearch",
     "dp",
+    "solve_with",
     "MissingDependencyError",
 ]
 
@@ -539,7 +540,12 @@ def dp(
     if selection not in ("auto", "exact", "tighten"):
         raise ValueError(f"selection: {selection!r} is not one of 'auto', 'exact', 'tighten'")
     config = DPConfig(max_stages=max_stages, slots=slots, selection=selection, max_retries=max_retries)
-    search = DPSearch(problem, config)
+    return solve_with(DPSearch(problem, config), budget_bytes, selective=selective)
+
+
+def solve_with(search: DPSearch, budget_bytes: int | None, *, selective: bool = True) -> SolverResult:
+    """`dp`'s answer from a table already built (the table does not depend on the budget)."""
+    problem = search.problem
     result = search.solve(budget_bytes)
     if not selective or budget_bytes is None or not any(node.saveable for node in problem.nodes):
         return result

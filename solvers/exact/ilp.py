@@ -32,6 +32,16 @@ Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
 every plan is checked with `simulate` on the original problem and the
 budget tightened by the excess when it does not fit.
 
+Plan space: the flat plans of the MILP, and the known plans of
+`known_plans`: dp's plan for the budget (nested plans reach lower peaks and,
+at tight budgets, less recompute than any flat plan), uniform's and greedy's
+on the fine graph, and the least-peak plan of an earlier call on the problem.
+The flat ones start the MILP where they map onto the coarse graph; the answer
+is the least recompute of all that fit, or, when none fits, the lowest peak,
+which is the smallest budget `ilp` names. So `ilp` never loses to dp: not
+on its smallest budget, not at a budget dp fits (with `nested=False` the
+space is the flat plans alone).
+
 Backends: HiGHS in-process (`highspy`) when installed, else pulp's bundled
 CBC. CBC is never warm-started (`-mips`) under a time limit: CBC 2.10.3
 segfaults that way on a loaded machine. A backend that fails (an exception
@@ -58,6 +68,7 @@ from ..heuristics.greedy import GreedySearch
 from ..problem import Problem
 from ..registry import SolverResult, register
 from ..simulate import simulate
+from .known_plans import best_of, flat_plans, known_plans
 from .milp_backend import (
     _HIGHS_ERRORS,
     ILPBackendError,
@@ -361,11 +372,21 @@ def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, g
     return peak, regions
 
 
-def _warm_start(coarse: Problem, target: int) -> tuple[tuple[int, int], ...] | None:
-    """The least-recompute flat plan of greedy and uniform that fits `target` on the coarse graph."""
+def _on_coarse(groups: list[tuple[int, int]], regions) -> tuple[tuple[int, int], ...] | None:
+    """A fine graph's flat plan on the coarse graph, or None when a region does not begin and end on groups."""
+    first = {g[0]: i for i, g in enumerate(groups)}
+    last = {g[1]: i for i, g in enumerate(groups)}
+    if not all(s in first and e in last for s, e in regions):
+        return None
+    return tuple((first[s], last[e]) for s, e in regions)
+
+
+def _warm_start(coarse: Problem, target: int, known=()) -> tuple[tuple[int, int], ...] | None:
+    """The least-recompute flat plan of greedy, uniform and `known` (coarse plans) that fits `target`
+    on the coarse graph."""
     best = None
     greedy_plan = GreedySearch(coarse).solve(target)
-    candidates = []
+    candidates = list(known)
     if greedy_plan.stats.get("min_peak_bytes", target + 1) <= target:
         candidates.append(greedy_plan.regions)
     candidates.append(uniform(coarse, target).regions)
@@ -430,8 +451,10 @@ def ilp(
     warm_start: bool = True,
     fallback: bool = True,
     selective: bool = True,
+    nested: bool = True,
 ) -> SolverResult:
-    """Least recompute time over flat region plans (exact when the graph is not coarsened).
+    """Least recompute time over flat region plans (exact when the graph is not coarsened) and the
+    known plans of `known_plans` (nested ones from dp's table among them).
 
     `backend`: 'auto' (HiGHS when highspy is installed, else CBC), 'highs' or 'cbc'; a failing
     backend is retried with the other one. `time_limit` bounds the whole call (every MILP solve
@@ -444,14 +467,28 @@ def ilp(
     the other backend), `ilp_fallback` (why the plan comes from another solver, named in
     `fallback_solver`). With `selective`, the plan found and one
     region per block are also tried with saved ops inside their regions (`selective.with_saved`).
+    `nested`: dp's plan for the budget is one of the known plans (False: only flat ones, uniform's and
+    greedy's, so the answer is the flat optimum when the MILP is exact; callers that run dp themselves,
+    such as `auto`, save its time that way). A known plan that wins is named in `plan_from`.
     """
     _backends(backend)  # an unknown or missing backend is the caller's error, never a fallback
+    t0 = time.perf_counter()
+    known = []
+    if budget_bytes is not None and problem.n and simulate(problem, ()).peak_bytes > budget_bytes:
+        known = known_plans(problem, budget_bytes, nested=nested, selective=selective)
+    if time_limit is not None:
+        time_limit = max(0.5, time_limit - (time.perf_counter() - t0))  # the known plans' time is the call's too
     try:
-        return _ilp(problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start, selective)
+        result = _ilp(
+            problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start, selective,
+            flat_plans(known),
+        )
     except ILPSolveError as e:
         if not fallback:
             raise
         reason = str(e)
+    else:
+        return best_of(problem, budget_bytes, result, known, selective=selective) if known else result
     from ..registry import get_solver  # the portfolio runs through the registry (auto registers itself there)
 
     result = get_solver("auto")(problem, budget_bytes, solvers=FALLBACK_SOLVERS)
@@ -473,6 +510,7 @@ def _ilp(
     max_retries: int,
     warm_start: bool,
     selective: bool = True,
+    known=(),
 ) -> SolverResult:
     n = problem.n
     if n == 0:
@@ -483,6 +521,8 @@ def _ilp(
 
     def lift(regions):
         return tuple((groups[s][0], groups[e][1]) for s, e in regions)
+
+    known_coarse = [c for c in (_on_coarse(groups, r) for r in known) if c is not None]
 
     base = simulate(problem, ())
     if budget_bytes is None or base.peak_bytes <= budget_bytes:
@@ -501,7 +541,7 @@ def _ilp(
         )
         start = None
         if warm_start:
-            start = _warm_start(coarse, target)
+            start = _warm_start(coarse, target, known_coarse)
             if start is None and lowest is None:
                 # No heuristic fits: the least-peak plan is the start. With it (and the one remembered
                 # from earlier calls), a budget the solver named as its smallest is met again on the

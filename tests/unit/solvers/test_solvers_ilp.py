@@ -68,7 +68,7 @@ def check_against_bruteforce(problem: Problem, budget: int, backend: str) -> Non
     best = bruteforce(problem, budget, space="flat_saver_ended")
     best_sim = simulate(problem, best.regions)
     result = (
-        solve(problem, budget, solver="ilp", backend=backend, max_nodes=64) if best_sim.peak_bytes <= budget else None
+        solve(problem, budget, solver="ilp", backend=backend, max_nodes=64, nested=False) if best_sim.peak_bytes <= budget else None
     )
     if result is None:
         return

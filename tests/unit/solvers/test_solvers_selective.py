@@ -137,7 +137,7 @@ def test_solvers_against_selective_bruteforce(seed, n, bseed):
             # the exhaustive space is flat regions with kept ops; dp may also nest, and a nested plan may beat it
             assert joint.recompute_time >= sel.recompute_time - 1e-9  # never beats the exhaustive optimum
         assert joint.recompute_time <= alone.recompute_time + 1e-12  # saved ops are added only when they pay
-    assert abs(solve(problem, budget, solver="ilp", selective=False).recompute_time - flat.recompute_time) <= 1e-9
+    assert abs(solve(problem, budget, solver="ilp", selective=False, nested=False).recompute_time - flat.recompute_time) <= 1e-9
 
 
 def chain4() -> Problem:
