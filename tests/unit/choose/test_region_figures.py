@@ -35,3 +35,16 @@ def test_region_recompute_is_priced_on_the_problems_times():
     p.narrowed(dataclasses.replace(p.problem, nodes=slower))  # the problem's times, not the profile's
     plan = planner.plan(solver="uniform", activation_budget=0.5)
     assert sum(r.recompute_s for r in plan.regions) == pytest.approx(plan.predicted_recompute_s, rel=1e-9)
+
+
+def test_autotune_rows_name_the_step_their_percentages_are_of():
+    """The summary's step-time row is against eager; the race's rows are against the captured graph's own
+    step: each says which, so +15.6 % and +11.6 % for one plan are not read as a contradiction."""
+    from ckpt_planner.plan_summary import autotune_rows
+
+    stats = {"autotune": {"chosen": "dp", "steps": 12, "rounds": 3, "band": 0.05, "graph_step_s": 0.2, "candidates": [
+        {"label": "dp", "chosen": True, "predicted_extra_s": 0.02, "measured_extra_s": 0.03,
+         "predicted_peak_bytes": 10**6, "measured_peak_bytes": 10**6, "fits": True}]}}
+    rows = autotune_rows(stats)
+    assert "captured graph's step without checkpointing, measured at 200.0 ms" in rows[0][1]
+    assert "predicted +10.0 %" in rows[1][1] and "measured +15.0 %" in rows[1][1]
