@@ -53,6 +53,8 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
     mem = LiveMemory()
     mem.track(list(gm.parameters()), list(gm.buffers()), list(prof.env.values()), [alive(e[0]) for e in prof.events.values()])
     mem.track(out, loss)
+    if prof.casts is not None:  # autocast's cache holds its casts of parameters through the backward
+        mem.track(alive(prof.casts.refs))
     refs = [weakref.ref(t) for t in pytree.tree_leaves(list(prof.env.values())) if isinstance(t, torch.Tensor)]
     refs += [r for e in prof.events.values() for r in e[0]]
     prof.env, prof.events = {}, {}

@@ -74,7 +74,8 @@ class CostGraph:
     nodes: tuple[NodeCost, ...]
     storages: tuple[StorageCost, ...]
     param_bytes: int
-    """Parameters and buffers (bytes), resident for the whole step."""
+    """Parameters and buffers (bytes), resident for the whole step; under autocast, with the casts of
+    parameters its cache keeps (profile/record.py AutocastCasts)."""
     input_bytes: int
     time_source: str
     """'measured' (timed runs), 'fitted' (a model fitted to timed runs) or 'flops' (meta mode estimate)."""

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..progress import native_stderr_dropped
 
-__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "device_room", "measure_step_peaks",
-           "storage_key"]
+__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "device_room",
+           "fresh_autocast_cache", "measure_step_peaks", "storage_key"]
 
 
 def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
@@ -227,6 +227,37 @@ class AllocatorMeter:
 _MARK = "ckpt_planner::mark::"
 
 
+# -- autocast's cache of parameter casts ------------------------------------------------
+
+
+def autocast_dtypes() -> dict[str, torch.dtype]:
+    """Device type -> autocast dtype, for the devices where autocast is on and keeps its casts of parameters
+    in its cache (empty outside autocast, or with `cache_enabled=False`)."""
+    if not torch.is_autocast_cache_enabled():
+        return {}
+    out = {}
+    for device_type in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                out[device_type] = torch.get_autocast_dtype(device_type)
+        except (RuntimeError, TypeError, AttributeError):  # a device type this torch has no autocast for
+            continue
+    return out
+
+
+def fresh_autocast_cache() -> None:
+    """Start a step with autocast's cache empty, as the first step of an autocast context does.
+
+    Under autocast, a trainable parameter cast to the autocast dtype is kept in a cache until the outermost
+    autocast context exits: a step run inside a context that an earlier step (or the profile) already ran
+    in finds its casts made, allocated before any meter started. The allocator would miss them while the
+    live-tensor counter, meeting them through the views ops take of them, counts them. Emptied, the step
+    makes its casts again and both meters see them allocated, as they are in a step of a fresh context.
+    Dropping the cache changes no value (each cast is redone from the same parameter)."""
+    if autocast_dtypes():
+        torch.clear_autocast_cache()
+
+
 # -- one training step on both meters ---------------------------------------------------
 
 
@@ -260,6 +291,7 @@ def measure_step_peaks(
     mem = LiveMemory()
     mem.track(state, inputs)
     resident = mem.current  # bytes
+    fresh_autocast_cache()
     with AllocatorMeter(device) as meter, mem:
         out = module(*args, **kwargs)  # held through the backward, as the planner assumes
         loss_fn(out).backward()

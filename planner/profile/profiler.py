@@ -241,8 +241,10 @@ def _build(
 ) -> CostGraph:
     env = prof.env
     external = _external_keys(gm, flat)
-    params = {storage_key(p): p for p in gm.parameters() if p.requires_grad}
     compute = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    casts = _cached_casts(prof, env, compute)
+    external.update(dict.fromkeys(casts))
+    params = {storage_key(p): p for p in gm.parameters() if p.requires_grad}
     index = {n.name: i for i, n in enumerate(compute)}
     table = _StorageTable(external)
     nodes: list[dict[str, Any]] = []
@@ -294,7 +296,20 @@ def _build(
             }
         )
     _mark_outputs(gm, env, index, table, nodes)
-    return _cost_graph(gm, flat, nodes, table.storages, params, param_reader, method=method, device=device)
+    return _cost_graph(gm, flat, nodes, table.storages, params, param_reader, method=method, device=device,
+                       cast_bytes=sum(casts.values()))
+
+
+def _cached_casts(prof: CostProfiler, env: dict, compute: list[fx.Node]) -> dict[int, int]:
+    """Storage key -> bytes of the casts of parameters autocast made inside the nodes and keeps in its cache
+    (record.AutocastCasts). A cast that is a node's own output is the graph's explicit `.to()`, which
+    autocast does not cache: an activation like any other. Only casts still alive count: a freed one was
+    not cached, and its storage key may since name another storage."""
+    if prof.casts is None:
+        return {}
+    outputs = {storage_key(t) for n in compute if n in env for t in strided_tensors(env[n])}
+    held = {storage_key(t) for t in alive(prof.casts.refs)}
+    return {key: nbytes for key, nbytes in prof.casts.made.items() if key in held and key not in outputs}
 
 
 def _allocator_temps(prof: CostProfiler) -> dict[str, int]:
@@ -418,9 +433,10 @@ def _cost_graph(
     *,
     method: str,
     device: str,
+    cast_bytes: int = 0,
 ) -> CostGraph:
     """The CostGraph of the per-node and per-storage records; each parameter's gradient is counted at the
-    last node that reads it (bytes)."""
+    last node that reads it (bytes). `cast_bytes`: autocast's cached casts of parameters, resident with them."""
     pgrad = [0] * len(nodes)
     for key, i in param_reader.items():
         p = params[key]
@@ -439,7 +455,7 @@ def _cost_graph(
         )
         for d in storages
     )
-    param_bytes = sum(
+    param_bytes = cast_bytes + sum(
         t.untyped_storage().nbytes()
         for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
     )

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
-from .memory import AllocatorMeter, LiveMemory
+from .memory import AllocatorMeter, LiveMemory, autocast_dtypes, fresh_autocast_cache, storage_key
 
-__all__ = ["CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
+__all__ = ["AutocastCasts", "CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
 
 
 def strided_tensors(value: Any) -> list[torch.Tensor]:
@@ -55,6 +56,8 @@ class CostProfiler(fx.Interpreter):
         self.watch_generators = False
         """Recording on real tensors: also compare the generators' states around each node."""
         self._generators: tuple[str | None, list[torch.Tensor]] | None = None
+        self.casts: AutocastCasts | None = None
+        """The recording run's casts of parameters that autocast keeps in its cache (None outside autocast)."""
 
     def check_generators(self, following: str | None) -> None:
         """Close the generator watch of the node that ran last (its states against those before it) and
@@ -136,6 +139,8 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
     prof.record = True
     prof.events = {}
     prof.meta_to_cpu = fake_mode is not None
+    dtypes = autocast_dtypes()
+    fresh_autocast_cache()  # every cast is made, and seen, in this run (emptied before any meter starts)
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
             # One dispatch mode that counts storages and FLOPs: on fake tensors the
@@ -154,12 +159,47 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             if allocator:
                 prof.meter = stack.enter_context(AllocatorMeter(device_of(gm, flat)))
         stack.enter_context(prof.mem)
+        if dtypes:
+            prof.casts = stack.enter_context(AutocastCasts(dtypes))
         prof.step_output = prof.run(*flat, enable_io_processing=False)
         prof.check_generators(None)
     mark_random(gm, prof.seeded.random, prof.seeded.unreplayable)
     return prof
 
 
+class AutocastCasts(TorchDispatchMode):
+    """The casts autocast keeps in its cache: a trainable float32 parameter (a leaf that requires grad, not
+    a view) cast to the autocast dtype of its device. Autocast makes each once, at its first use in a
+    context, and holds it until the outermost context exits: through the whole step where the step runs
+    inside the context, whatever a plan recomputes (a recompute in that context finds the cast cached).
+    A region's checkpoint cannot free it, so it is not an activation; the profile counts it with the
+    parameters. `dtypes`: device type -> autocast dtype where autocast and its cache are on."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype]) -> None:
+        super().__init__()
+        self.dtypes = dtypes
+        self.made: dict[int, int] = {}
+        """Storage key -> bytes of each cast made."""
+        self.refs: list[weakref.ref] = []
+        """The casts themselves (the backward's counter tracks them: the cache holds them through it)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _TO_COPY and args and isinstance(out, torch.Tensor) and out.layout == torch.strided:
+            t = args[0]
+            if (
+                isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and not t._is_view()
+                and t.dtype == torch.float32 and out.dtype == self.dtypes.get(t.device.type)
+            ):
+                key = storage_key(out)
+                if key not in self.made:
+                    self.made[key] = out.untyped_storage().nbytes()
+                    self.refs.append(weakref.ref(out))
+        return out
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
 _GENERATOR_WINDOW = "<generator states>"  # the allocator window of the generator snapshots (no node's)
 
 
