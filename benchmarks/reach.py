@@ -14,8 +14,12 @@ non-reentrant), every-2 (`every_n_layers=2`), ours (exact, `optimize(..., budget
 
 Models return the loss only (a wrapper around the HF model, as Mini-Sequence Transformer, Liger and
 Cut-Cross-Entropy users write): a model returning its full logits must materialize them as an output.
+With --stock the models are the HF models as they come (their output holds the logits, rows named
+`<model>-stock`), and two more contenders ask the planner for the loss alone: ours-loss
+(`optimize(..., outputs="loss")`) and ours-inexact-loss (the same with exact=False).
 
     python -m benchmarks.reach --quick            # Llama shape only, coarse search (minutes)
+    python -m benchmarks.reach --quick --stock    # the stock Llama, logits returned unless outputs="loss"
     python -m benchmarks.reach                    # every model
 """
 
@@ -42,6 +46,7 @@ from ckpt_planner.solvers import InfeasibleBudgetError  # noqa: E402
 from ckpt_planner.verification import measure_step_peaks  # noqa: E402
 
 CONTENDERS = ("none", "per-layer", "every-2", "ours", "ours-inexact")
+STOCK_CONTENDERS = (*CONTENDERS, "ours-loss", "ours-inexact-loss")
 FLOPS = ProfileConfig(flop_times=True)
 
 
@@ -125,14 +130,21 @@ def _contender(name: str, model: nn.Module, kind: str, budget: int, inputs: dict
                                               every_n_layers=1 if kind == "per-layer" else 2)
         return m
     config = None if measured else FLOPS
-    return optimize(model, dict(inputs), budget_bytes=budget, profile_config=config, exact=kind == "ours").module
+    outputs = "loss" if kind.endswith("-loss") else "all"
+    return optimize(model, dict(inputs), budget_bytes=budget, profile_config=config,
+                    exact=not kind.startswith("ours-inexact"), outputs=outputs).module
+
+
+def _loss(out: object) -> torch.Tensor:
+    """The step's loss: the output itself (the loss-only wrapper, the CNN) or its `loss` (stock models)."""
+    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 def _peak(module: nn.Module, model: nn.Module, inputs: dict) -> int:
     params = list(model.parameters())
     state = params + list(model.buffers())
     torch.manual_seed(0)
-    peaks, _ = measure_step_peaks(module, (), inputs, params, state, lambda out: out, torch.device("cpu"))
+    peaks, _ = measure_step_peaks(module, (), inputs, params, state, _loss, torch.device("cpu"))
     for p in params:
         p.grad = None
     return peaks.allocator
@@ -168,7 +180,7 @@ def _time(modules: dict[str, nn.Module], model: nn.Module, inputs: dict, rounds:
     for r in range(rounds + 1):
         for k, m in modules.items():
             t = time.perf_counter()
-            m(**inputs).backward()
+            _loss(m(**inputs)).backward()
             dt = time.perf_counter() - t
             for p in model.parameters():
                 p.grad = None
@@ -177,7 +189,8 @@ def _time(modules: dict[str, nn.Module], model: nn.Module, inputs: dict, rounds:
     return best
 
 
-def run_model(name: str, quick: bool, log: Callable[[str], None]) -> dict:
+def run_model(name: str, quick: bool, log: Callable[[str], None], stock: bool = False,
+              overhead: bool = True) -> dict:
     cnn = name == "cnn"
     if cnn:
         torch.manual_seed(0)
@@ -185,16 +198,17 @@ def run_model(name: str, quick: bool, log: Callable[[str], None]) -> dict:
         base_len, base_batch = 32, 8
     else:
         hf, _ = _lm(name)
-        model = LossOnly(hf.train())
+        model = hf.train() if stock else LossOnly(hf.train())
         base_len, base_batch = 256, 1
-    kinds = ("none", "ours", "ours-inexact") if cnn else CONTENDERS
+    kinds = ("none", "ours", "ours-inexact") if cnn else STOCK_CONTENDERS if stock else CONTENDERS
     # the budget: per-layer's peak at the base shape (for the CNN, which has no per-layer flag: no checkpointing's)
     ref_kind = "none" if cnn else "per-layer"
     base = _inputs(name, base_batch, base_len)
     budget = _peak(_contender(name, model, ref_kind, 0, base), model, base)
     log(f"{name}: budget {budget / 1e6:.2f} MB ({ref_kind} at batch {base_batch} x {base_len})")
     result: dict = {"budget_bytes": budget, "budget_from": ref_kind, "base_batch": base_batch,
-                    "base_length": base_len, "contenders": {}}
+                    "base_length": base_len, "outputs": "model's own (logits)" if stock else "loss only (wrapper)",
+                    "contenders": {}}
     step_len = base_len // (2 if quick else 4)
     limit_len = base_len * (8 if quick else 16)
 
@@ -223,6 +237,9 @@ def run_model(name: str, quick: bool, log: Callable[[str], None]) -> dict:
         row["measured_peaks"] = peaks
         result["contenders"][kind] = row
 
+    if not overhead:
+        result["overhead"] = {}
+        return result
     # step-time overhead at the reference contender's own longest sequence (largest batch for the CNN)
     ref = result["contenders"][ref_kind]
     n = ref.get("longest_sequence") or ref.get("largest_batch") or base_len
@@ -272,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="Llama shape only (unless --models), longest sequence only (the CNN: batch), coarse search")
     ap.add_argument("--models", default=None, help="comma-separated: llama,qwen2,gpt2,bert,cnn")
+    ap.add_argument("--stock", action="store_true",
+                    help="the HF models as they come (logits in the output), plus ours-loss / ours-inexact-loss "
+                         "(outputs=\"loss\"); rows named <model>-stock")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the step-time comparison")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -293,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         if old.get("meta", {}).get("mode") == meta["mode"]:
             results = old["results"]
     for name in names:  # written after each model, so a long run keeps what it measured
-        results[name] = run_model(name, a.quick, log)
+        key = f"{name}-stock" if a.stock and name != "cnn" else name
+        results[key] = run_model(name, a.quick, log, stock=a.stock and name != "cnn", overhead=not a.no_overhead)
         (out / "reach.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         (out / "reach.md").write_text(_markdown(results, meta))
     print(_markdown(results, meta))

@@ -34,6 +34,7 @@ from .distributed import optimizer_state_bytes, plan_collectively, planning_is_c
 from .errors import CaptureError, InputError
 from .lower.build import lower_plan
 from .lower.chunk import ChunkSpec, chunk_capture
+from .lower.outputs import loss_outputs
 from .model_state import ModelState
 from .plan import Plan
 from .profile.bytes_pass import profile_for_planning
@@ -55,6 +56,7 @@ def optimize(
     safety_margin: float = 0.02, own_checkpointing: str = "replace", on_larger_shape: str = "error",
     partial: bool = True, compile: bool = False, lowering: str = "best", check_step: bool = True, exact: bool = True,
     autotune: bool | int | None = None, progress: bool = False, exact_check: bool | None = None,
+    outputs: str = "all",
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -68,9 +70,11 @@ def optimize(
     Each keyword fills one typed setting, documented field by field in planner/settings.py:
     `Budget` (budget_gb, budget_bytes, activation_budget, safety_margin), `SolveConfig` (solver,
     solver_options, own_checkpointing), `PlanRequest` (on_larger_shape, autotune), `Setup` (device,
-    optimizer, capture_method, profile_config, partial), `ExactnessConfig` (exact, check_step),
+    optimizer, capture_method, profile_config, partial, outputs), `ExactnessConfig` (exact, check_step),
     `DistributedConfig` (world_size, sharding) and `CompileConfig` (compile, lowering).
     `exact_check` is check_step's former name, kept as an alias. progress=True shows each stage on stderr.
+    outputs="loss": plan.module returns the model's output with `loss` alone set (its logits and every other
+    field None), so the logits are not kept for the backward; refused when the model computes no loss.
 
     Called under torch.no_grad() or inference_mode() it raises UnplannableError (no training step to plan).
     Under torch.distributed, rank 0 plans and broadcasts (distributed.py). The model is left as it was found.
@@ -81,7 +85,7 @@ def optimize(
     setup = Setup.of(
         device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
         partial=partial, exact=exact, check_step=check_step, world_size=world_size, sharding=sharding,
-        compile=compile, lowering=lowering,
+        compile=compile, lowering=lowering, outputs=outputs,
     )
     request = PlanRequest.of(
         budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
@@ -97,6 +101,8 @@ def plan_model(model: Any, example_inputs: Any, setup: Setup, request: PlanReque
     if planning_is_collective():  # torch.distributed: rank 0 plans, every rank runs its plan
         return plan_collectively(lambda: plan_model(model, example_inputs, setup, request), Plan.from_dict,
                                  model, example_inputs, request.on_larger_shape)
+    if setup.outputs == "loss" and isinstance(model, torch.nn.Module):  # the loss alone (lower/outputs.py)
+        model = loss_outputs(model, example_inputs)
     if not setup.exactness.exact:
         return plan_inexact(lambda exact: Planner(model, example_inputs, setup=inexact_setup(setup, exact)), request)[0]
     if setup.compile.enabled:
@@ -132,6 +138,8 @@ class Planner(BasePlanner):
             feasible_for = PlanRequest.of(**feasible_for)
         refuse_grad_mode()
         model, example_inputs, exported = accept_exported(model, example_inputs)
+        if setup.outputs == "loss":
+            model = loss_outputs(model, example_inputs)
         if exported and setup.capture_method == "auto":
             setup = dataclasses.replace(setup, capture_method="export")
         profile_config = setup.profile or ProfileConfig()  # the one place the default profile is made

@@ -18,13 +18,14 @@ from .errors import InputError
 
 __all__ = [
     "Budget", "SolveConfig", "ExactnessConfig", "DistributedConfig", "CompileConfig", "Setup", "PlanRequest",
-    "ON_LARGER_SHAPE", "OWN_CHECKPOINTING", "LOWERINGS", "SHARDING",
+    "ON_LARGER_SHAPE", "OWN_CHECKPOINTING", "LOWERINGS", "SHARDING", "OUTPUTS",
 ]
 
 ON_LARGER_SHAPE = ("error", "replan")
 OWN_CHECKPOINTING = ("replace", "keep")
 LOWERINGS = ("best", "regions", "knapsack")
 SHARDING = ("ddp", "fsdp")
+OUTPUTS = ("all", "loss")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,8 +181,16 @@ class Setup:
     """Per-rank budgets under DDP or FSDP."""
     compile: CompileConfig = CompileConfig()
     """The plan lowered into torch.compile."""
+    outputs: str = "all"
+    """What the planned module returns. 'all': everything the model returns. 'loss': the model's output
+    of the same type with `loss` alone set and every other field None (a model returning a 0-dim tensor:
+    that tensor), as Liger and Cut-Cross-Entropy users train: the graph is captured without the logits
+    as an output, so they are freed after the loss (or, with exact=False, never made whole). A model that
+    computes no loss (a transformers model given no `labels`) is refused in one line (lower/outputs.py)."""
 
     def __post_init__(self) -> None:
+        if self.outputs not in OUTPUTS:
+            raise InputError(f"outputs: {self.outputs!r} is not one of {', '.join(OUTPUTS)}")
         if not self.exactness.exact and (self.compile.enabled or self.distributed.world_size != 1):
             raise InputError("exact: exact=False (chunked token-wise work) is planned eagerly on one rank; "
                              "drop compile=True / world_size or keep exact=True")
@@ -194,13 +203,13 @@ class Setup:
     @classmethod
     def of(cls, *, device: Any = None, optimizer: Any = None, capture_method: str = "auto", profile_config: Any = None,
            partial: bool = True, exact: bool = True, check_step: bool = True, world_size: int = 1,
-           sharding: str | None = None, compile: bool = False, lowering: str = "best") -> Setup:
+           sharding: str | None = None, compile: bool = False, lowering: str = "best", outputs: str = "all") -> Setup:
         """From the keywords `optimize()` and `Planner()` take."""
         return cls(
             device=device, optimizer=optimizer, capture_method=capture_method, profile=profile_config, partial=partial,
             exactness=ExactnessConfig(exact=exact, check_step=check_step),
             distributed=DistributedConfig(world_size=world_size, sharding=sharding),
-            compile=CompileConfig(enabled=compile, lowering=lowering),
+            compile=CompileConfig(enabled=compile, lowering=lowering), outputs=outputs,
         )
 
 
