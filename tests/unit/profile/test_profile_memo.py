@@ -2,6 +2,7 @@
 the same bytes. Autocast is ambient: the graph symbolic_trace captures is the same under bf16 autocast
 and in fp32, so the key must carry it, or an fp32 plan gets the bf16 figures and goes over budget."""
 
+import pytest
 import torch
 from ckpt_planner import optimize
 from ckpt_planner.profile.bytes_pass import PROFILES, ambient_key
@@ -36,6 +37,7 @@ def test_the_key_names_autocast_grad_mode_and_default_dtype():
     assert ambient_key() == plain
 
 
+@pytest.mark.slow  # three measured profiles (about 30 s); the key's own test runs in the default run
 def test_an_fp32_plan_after_a_bf16_one_gets_fp32_figures():
     model, x = _model(), torch.randn(512, 64)
     PROFILES.clear()

@@ -150,6 +150,7 @@ def test_where_the_plain_step_fits_the_profile_is_the_whole_steps():
     assert "profile" not in plan.stats
 
 
+@pytest.mark.slow  # about a minute: the refusal is found by profiling a stage at a time on measured times
 def test_a_budget_below_what_planning_needs_names_the_least_it_needs(monkeypatch):
     from ckpt_planner.choose import budget as budget_module
 
