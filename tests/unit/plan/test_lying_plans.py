@@ -25,6 +25,7 @@ from ckpt_planner.solvers.simulate import simulate
 from ckpt_planner.verification import step_differences, verify
 
 from tests.models.small import LOCAL
+from tests.unit.plan.test_plan_file import save_mlp_plan
 
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)
 
@@ -42,12 +43,7 @@ def make():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A plan of the MLP chain at 0.6 of its activations, saved; returns (planner, plan, its JSON)."""
-    model, inputs = LOCAL["mlp"]()
-    planner = Planner(model, inputs, profile_config=FLOPS)
-    base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
-    plan = planner.plan(budget_bytes=fixed + (base - fixed) * 6 // 10, solver="uniform")
-    assert len(plan.regions) >= 2
-    path = plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
+    planner, plan, path = save_mlp_plan(tmp_path_factory)
     return planner, plan, json.loads(path.read_text())
 
 

@@ -21,15 +21,21 @@ from tests.models.small import LOCAL
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow noise
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A two-region plan of the MLP chain, saved; returns (path, its JSON)."""
+def save_mlp_plan(tmp_path_factory):
+    """A plan of the MLP chain at 0.6 of its activations (two regions or more), saved; returns (planner,
+    plan, path)."""
     model, inputs = LOCAL["mlp"]()
     planner = Planner(model, inputs, profile_config=FLOPS)
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
     plan = planner.plan(budget_bytes=fixed + (base - fixed) * 6 // 10, solver="uniform")
     assert len(plan.regions) >= 2
-    path = plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
+    return planner, plan, plan.save(tmp_path_factory.mktemp("plan") / "plan.json")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A two-region plan of the MLP chain, saved; returns (path, its JSON)."""
+    _, _, path = save_mlp_plan(tmp_path_factory)
     return path, json.loads(path.read_text())
 
 
