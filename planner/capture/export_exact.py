@@ -351,7 +351,9 @@ def _hint(n: Any) -> int:
     """An int, or a symbolic size's example value without adding a guard: `int()` on a dynamic
     dimension would pin the captured graph to the example's shape (shapes.py)."""
     if isinstance(n, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from torch.fx.experimental import symbolic_shapes
 
-        return int(optimization_hint(n))
+        # optimization_hint is newer torch's name for hint_int
+        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        return int(hint(n))
     return int(n)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..progress import native_stderr_dropped
 
 __all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "device_room",
-           "fresh_autocast_cache", "measure_step_peaks", "storage_key"]
+           "fresh_autocast_cache", "measure_step_peaks", "storage_key", "warm_device_libraries"]
 
 
 def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
@@ -271,6 +271,26 @@ class StepPeaks:
     """The peak of live tensor storages (what autograd and the model hold)."""
 
 
+_WARMED: set[str] = set()
+
+
+def warm_device_libraries(device: torch.device | str) -> None:
+    """Make the workspaces CUDA's libraries keep for the life of the process before anything is measured.
+
+    cuBLAS allocates a workspace per thread and stream on its first product and never frees it; the autograd
+    engine runs the backward on a thread of its own, with its own. Made here, they are resident state, as they
+    are in every training step after a user's first, instead of a one-off that a first measured step (a profile,
+    a reference step) would price into every plan: 32 MiB per workspace under deterministic cuBLAS."""
+    device = torch.device(device)
+    if device.type != "cuda" or str(device) in _WARMED:
+        return
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+    _WARMED.add(str(device))
+
+
 def measure_step_peaks(
     module: torch.nn.Module,
     args: tuple,
@@ -285,6 +305,7 @@ def measure_step_peaks(
     Both figures include the resident state and inputs (unique storages). Where the allocator
     cannot be read (a profiler already running, an unsupported device), its figure is the live one.
     """
+    warm_device_libraries(device)
     for p in params:
         p.grad = None
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -307,7 +328,11 @@ def device_room(device: torch.device | str) -> int | None:
     try:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            cap = int(torch.cuda.get_per_process_memory_fraction(device) * total) - torch.cuda.memory_reserved(device)
+            fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+            if fraction is None:
+                return free
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cap = int(fraction(index) * total) - torch.cuda.memory_reserved(device)
             return max(0, min(free, cap))
         if device.type == "cpu":
             try:

@@ -42,7 +42,7 @@ from ..lower.selective import try_policy_costs
 from ..model_state import rng_preserved
 from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
-from .memory import alive, storage_key
+from .memory import alive, storage_key, warm_device_libraries
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
 from .stagewise import measure_stages, stage_spans, with_stage_figures
 from .timing import finish_profile, robust_times, with_fastest
@@ -120,6 +120,7 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
         or any(p.device.type == "meta" for p in gm.parameters())
     )
     dev = device or next((t.device for t in strided_tensors(flat)), torch.device("cpu"))
+    warm_device_libraries(dev)
     with rng_preserved():
         if meta:
             cost, (cached, ops) = _profile_fake(gm, flat, config, dev)

@@ -33,7 +33,7 @@ from tests.support.steps import METHODS, as_call, compare, step
 capture_mod = importlib.import_module("ckpt_planner.capture.trace")  # the package re-exports a function of that name
 rewrite_mod = importlib.import_module("ckpt_planner.lower.rewrite")
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.cuda  # skipped without a device (tests/conftest.py)
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 
 

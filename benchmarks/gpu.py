@@ -1,0 +1,663 @@
+"""On the GPU: every figure the design promises, checked on CUDA in one prepared run.
+
+Sections, each in its own interpreter under its own time limit (a section that crashes or runs over
+leaves the rows it wrote, and the next one starts clean):
+
+- `env`: the device, torch, CUDA and transformers versions.
+- `cap`: a Llama-shaped model whose plain step needs twice the cap is planned and trained under
+  `torch.cuda.set_per_process_memory_fraction` set to that cap.
+- `frontier`: a ~1B Llama (16 x 2,048, 2,048 tokens, batch 4, bf16) raced against transformers'
+  `every_n_layers` n = 1, 2, 4 and its `offload` option, ours planned at each of their measured peaks,
+  with a twin of each of their points; CUDA events, interleaved, `rounds` steps each.
+- `zoo`: every model of tests/models/zoo.py planned at 50 % of its activation memory, in deterministic
+  fp32 and in bf16 autocast: predicted peak against `torch.cuda.max_memory_allocated`, within budget,
+  gradients bitwise (fp32) or their largest difference (bf16).
+- `tests`: the tests marked `cuda` (they skip without a device).
+- `compile`: `optimize(compile=True)` at compile@0.5's measured peak, against compile@0.5.
+
+    python -m benchmarks.gpu                  # on a CUDA device: under 9 minutes on one H100
+    python -m benchmarks.gpu --dry            # the whole run at tiny shapes on the CPU (the tests run it)
+    python -m benchmarks.gpu --sections frontier,cap
+
+Writes gpu-<kind>.json and gpu-<kind>.md (kind: h100, h200, ...; `dry` for the dry run) in --out
+(default benchmarks/results; the dry run's default is a temporary folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SECTIONS = ("env", "cap", "frontier", "zoo", "tests", "compile")
+
+# Seconds each section may take on the device, in the order they run (under 9 minutes in all). The
+# dry run takes its own, larger limits: it runs on 2 busy CPU cores.
+LIMITS = {"env": 15, "cap": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55}
+DRY_LIMITS = {"env": 60, "cap": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240}
+
+LLAMA_1B = dict(layers=16, d=2048, heads=16, kv=16, ffn=5632, vocab=32000, batch=4, seq=2048)
+SIZES = {
+    "full": {
+        "frontier": {**LLAMA_1B, "rounds": 20, "points": (1, 2, 4)},
+        # activations dominate: the plain step needs more than twice per-layer checkpointing's peak
+        "cap": dict(layers=8, d=1024, heads=8, kv=8, ffn=2816, vocab=8000, batch=4, seq=4096),
+        "compile": {**LLAMA_1B, "layers": 4, "rounds": 20},
+        "zoo": None,  # every model
+    },
+    "dry": {
+        "frontier": dict(layers=4, d=64, heads=4, kv=2, ffn=176, vocab=512, batch=2, seq=64, rounds=2, points=(1, 2)),
+        "cap": dict(layers=4, d=64, heads=4, kv=4, ffn=176, vocab=256, batch=2, seq=256),
+        "compile": dict(layers=2, d=32, heads=2, kv=2, ffn=64, vocab=128, batch=2, seq=32, rounds=2),
+        "zoo": ("gpt2", "unet"),
+    },
+}
+
+
+# -- shared pieces (imported in the section's own interpreter) ----------------------------------
+
+
+def _device(dry: bool):
+    import torch
+
+    return torch.device("cpu" if dry else "cuda")
+
+
+def llama(s: dict, device, dtype) -> tuple[Any, dict]:
+    """A Llama-shaped causal LM with random weights (sdpa attention) and its batch, on `device`."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["d"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv"], intermediate_size=s["ffn"], vocab_size=s["vocab"],
+                         max_position_embeddings=max(512, s["seq"]), use_cache=False, pad_token_id=0,
+                         attn_implementation="sdpa")
+    with torch.device(device):  # initialised where it runs: a 1B model's init on the host takes long
+        model = tf.LlamaForCausalLM(cfg)
+    model = model.to(dtype).train()
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), device=device)
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def hf_every(model, n: int, offload: bool = False):
+    """A copy of `model` under transformers' own checkpointing at every_n_layers=n (None where this
+    transformers has no such knob, or no offload option when offload is asked for)."""
+    import copy
+
+    fn = getattr(model, "activation_checkpointing_enable", None)
+    if offload and (fn is None or "offload" not in inspect.signature(fn).parameters):
+        return None
+    m = copy.deepcopy(model)
+    if fn is not None:
+        kwargs = {"offload": True} if offload else {}
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n,
+                                          **kwargs)
+        return m.train()
+    # older transformers: per-layer checkpointing, then every n-th layer kept on, as every_n_layers does
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return m.train() if n == 1 and m.gradient_checkpointing_enable() is None else None
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % n == 0
+    return m.train()
+
+
+def peak_of(module, owner, inputs: dict, device) -> tuple[int, list]:
+    """One training step's allocator peak (resident state included) and its gradients."""
+    import torch
+    from ckpt_planner.profile.loss import default_loss
+    from ckpt_planner.profile.memory import measure_step_peaks
+
+    params = list(owner.parameters())
+    torch.manual_seed(1234)
+    peaks, _ = measure_step_peaks(module, (), inputs, params, params + list(owner.buffers()), default_loss, device)
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    for p in params:
+        p.grad = None
+    return int(peaks.allocator), grads
+
+
+def same_grads(a: list, b: list) -> tuple[bool, float]:
+    """(bitwise equal, largest absolute difference) of two gradient lists."""
+    diff, equal = 0.0, len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            equal = equal and x is None and y is None
+            continue
+        equal = equal and bool((x == y).all())
+        diff = max(diff, float((x.float() - y.float()).abs().max()))
+    return equal, diff
+
+
+class Timer:
+    """Step times of one module: CUDA events on a device, the host clock on the CPU."""
+
+    def __init__(self, name: str, module, owner, device) -> None:
+        self.name, self.module, self.owner, self.device = name, module, owner, device
+        self.pending: list = []
+        self.ms: list[float] = []
+
+    def step(self, inputs: dict, timed: bool = True) -> None:
+        import torch
+        from ckpt_planner.profile.loss import default_loss
+
+        for p in self.owner.parameters():
+            p.grad = None
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            default_loss(self.module(**inputs)).backward()
+            end.record()
+            if timed:
+                self.pending.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            default_loss(self.module(**inputs)).backward()
+            if timed:
+                self.ms.append((time.perf_counter() - t0) * 1e3)
+
+    def settle(self) -> None:
+        for start, end in self.pending:
+            self.ms.append(start.elapsed_time(end))
+        self.pending.clear()
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ms)
+
+
+def race(timers: list[Timer], inputs: dict, rounds: int, device) -> None:
+    """One untimed step each, then `rounds` rounds of one step each, the order rotating every round."""
+    import torch
+
+    for t in timers:
+        t.step(inputs, timed=False)
+    for k in range(rounds):
+        for j in range(len(timers)):
+            timers[(k + j) % len(timers)].step(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        for t in timers:
+            t.settle()
+    for t in timers:
+        for p in t.owner.parameters():
+            p.grad = None
+
+
+def time_left() -> float:
+    """Seconds this section has left of its limit (the parent kills it at zero)."""
+    return float(os.environ.get("GPU_SECTION_DEADLINE", "inf")) - time.time()
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+
+def section_env(sizes: dict, dry: bool, emit: Callable[[dict], None], log) -> None:
+    import torch
+
+    row = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "host": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import transformers
+
+        row["transformers"] = transformers.__version__
+    except ImportError:
+        row["transformers"] = None
+    for name in ("pulp", "highspy", "networkx"):
+        try:
+            mod = __import__(name)
+            row[name] = getattr(mod, "__version__", "installed")
+        except ImportError:
+            row[name] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        row.update(device=torch.cuda.get_device_name(0), memory_bytes=p.total_memory,
+                   multiprocessors=p.multi_processor_count)
+    else:
+        row["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    emit(row)
+
+
+def section_cap(sizes: dict, dry: bool, emit, log) -> None:
+    """Plan and train under a memory cap half the plain step's peak."""
+    import torch
+    from ckpt_planner.api import optimize
+    from ckpt_planner.profile.loss import default_loss
+
+    device = _device(dry)
+    s = sizes["cap"]
+    model, inputs = llama(s, device, torch.float32 if dry else torch.bfloat16)
+    plain, _ = peak_of(model, model, inputs, device)
+    copy = hf_every(model, 1)
+    per_layer = peak_of(copy, copy, inputs, device)[0] if copy is not None else None
+    del copy
+    _free()
+    cap = plain // 2
+    row: dict[str, Any] = {"shape": s, "plain_bytes": plain, "per_layer_bytes": per_layer, "cap_bytes": cap,
+                           "enforced": device.type == "cuda"}
+    log(f"cap: plain step {_mb(plain)} MB, per-layer {_mb(per_layer)} MB, cap {_mb(cap)} MB")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # the memory fraction needs an index
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        t0 = time.perf_counter()
+        try:
+            plan = optimize(model, inputs, budget_bytes=cap)
+        except Exception as e:  # recorded, not raised: what a user under this cap would see is the result
+            row.update(planned=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                       plan_s=time.perf_counter() - t0)
+            if device.type == "cuda":
+                row["planning_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            emit(row)
+            return
+        row.update(planned=True, plan_s=time.perf_counter() - t0, solver=plan.solver,
+                   predicted_peak_bytes=plan.predicted_peak_bytes, regions=len(plan.regions),
+                   notes=list(plan.notes)[:6])
+        if device.type == "cuda":
+            row["planning_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        peaks = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            default_loss(plan.module(**inputs)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                peaks.append(torch.cuda.max_memory_allocated(device))
+        row.update(trained_steps=3, train_peak_bytes=max(peaks) if peaks else None)
+        if device.type != "cuda":  # no cap to enforce: the step's peak on the allocator meter instead
+            row["train_peak_bytes"] = peak_of(plan.module, model, inputs, device)[0]
+        row["within_cap"] = row["train_peak_bytes"] <= cap and row.get("planning_peak_bytes", 0) <= cap
+        emit(row)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
+    """Ours against transformers' every_n_layers and offload, at each of their measured peaks."""
+    import torch
+    from ckpt_planner.api import Planner
+    from ckpt_planner.solvers import InfeasibleBudgetError
+
+    device = _device(dry)
+    s = sizes["frontier"]
+    model, inputs = llama(s, device, torch.float32 if dry else torch.bfloat16)
+    eager = Timer("eager", model, model, device)
+    eager_peak, eager_grads = peak_of(model, model, inputs, device)
+    again = same_grads(eager_grads, peak_of(model, model, inputs, device)[1])
+    emit({"kind": "eager", "shape": {k: v for k, v in s.items() if k != "points"}, "peak_bytes": eager_peak,
+          "parameters": sum(p.numel() for p in model.parameters()), "repeatable_bitwise": again[0],
+          "repeat_max_abs_diff": again[1]})
+    theirs: list[tuple[Timer, int, Timer | None]] = []  # (contender, its peak, its twin)
+    # transformers' offload pins host memory: it needs a device
+    for n in [n for n in s["points"] if n <= s["layers"]] + (["offload"] if device.type == "cuda" else []):
+        try:
+            m = hf_every(model, 1, offload=True) if n == "offload" else hf_every(model, n)
+        except Exception as e:  # this transformers' knob itself fails: recorded, the race goes on without it
+            emit({"kind": "contender", "name": f"hf {n}", "missing": f"{type(e).__name__}: {e}"})
+            continue
+        if m is None:
+            emit({"kind": "contender", "name": f"hf {n}", "missing": "not in this transformers"})
+            continue
+        name = "hf offload (every layer)" if n == "offload" else f"hf every_n_layers={n}"
+        peak, grads = peak_of(m, m, inputs, device)
+        twin_m = hf_every(model, 1, offload=True) if n == "offload" else hf_every(model, n)
+        theirs.append((Timer(name, m, m, device), peak, Timer(f"twin of {name}", twin_m, twin_m, device)))
+        log(f"frontier: {name}: {peak / 1e6:.0f} MB")
+    t0 = time.perf_counter()
+    planner = Planner(model, inputs)
+    emit({"kind": "profile", "seconds": time.perf_counter() - t0, "nodes": planner.problem.n,
+          "predicted_eager_bytes": planner.baseline_peak_bytes})
+    log(f"frontier: profiled {planner.problem.n} nodes in {time.perf_counter() - t0:.0f} s")
+    ours: dict[str, tuple[Timer, dict]] = {}
+    for timer, peak, _ in theirs:
+        t1 = time.perf_counter()
+        if time_left() < 0.4 * float(os.environ.get("GPU_SECTION_LIMIT", "inf")):  # keep time for the race
+            ours[timer.name] = (None, {"infeasible": "not planned: the section's time went to the points before"})
+            continue
+        try:
+            plan = planner.plan(budget_bytes=peak, autotune=True)
+        except InfeasibleBudgetError as e:
+            ours[timer.name] = (None, {"infeasible": str(e).splitlines()[0]})
+            continue
+        except Exception as e:  # a planning failure at one point is a finding; the race goes on
+            ours[timer.name] = (None, {"infeasible": f"FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            continue
+        mine_peak, grads = peak_of(plan.module, model, inputs, device)
+        bitwise, diff = same_grads(eager_grads, grads)
+        rec = plan.stats.get("autotune", {})
+        ours[timer.name] = (Timer(f"ours @ {timer.name}", plan.module, model, device), {
+            "plan_s": time.perf_counter() - t1, "solver": plan.solver, "chosen": rec.get("chosen"),
+            "regions": len(plan.regions), "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "ours_peak_bytes": mine_peak, "grads_bitwise": bitwise, "max_abs_grad_diff": diff,
+            "predicted_extra_s": plan.predicted_recompute_s if hasattr(plan, "predicted_recompute_s") else None,
+        })
+        log(f"frontier: ours @ {timer.name}: {mine_peak / 1e6:.0f} MB measured, {plan.predicted_peak_bytes / 1e6:.0f} "
+            f"predicted, {time.perf_counter() - t1:.0f} s")
+    timers = [eager] + [t for t, _, _ in theirs] + [tw for _, _, tw in theirs] + [t for t, _ in ours.values() if t]
+    race(timers, inputs, s["rounds"], device)
+    base = eager.median
+    emit({"kind": "race", "rounds": s["rounds"], "eager_ms": base,
+          "medians_ms": {t.name: t.median for t in timers}, "fastest_ms": {t.name: min(t.ms) for t in timers}})
+    for timer, peak, twin in theirs:
+        mine, info = ours[timer.name]
+        theirs_ovh = timer.median / base - 1
+        row = {"kind": "point", "contender": timer.name, "contender_peak_bytes": peak, "contender_overhead": theirs_ovh,
+               "twin_overhead": twin.median / base - 1, "twin_ratio": twin.median / timer.median, **info}
+        if mine is not None:
+            ours_ovh = mine.median / base - 1
+            row.update(ours_overhead=ours_ovh, fits=info["ours_peak_bytes"] <= peak,
+                       ratio=ours_ovh / theirs_ovh if theirs_ovh > 0.005 else None,
+                       prediction_error=(info["predicted_peak_bytes"] - info["ours_peak_bytes"]) / info["ours_peak_bytes"])
+        emit(row)
+
+
+def _to(x, device):
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
+
+
+def section_zoo(sizes: dict, dry: bool, emit, log) -> None:
+    """Every zoo model at 50 %: fp32 deterministic first, then bf16 autocast."""
+    import torch
+    from ckpt_planner.api import Planner
+
+    from tests.models.zoo import ZOO, build, run_case
+
+    device = _device(dry)
+    names = sizes["zoo"] or tuple(ZOO)
+    for precision in ("fp32", "bf16"):
+        torch.use_deterministic_algorithms(precision == "fp32", warn_only=False)
+        for name in names:
+            t0 = time.perf_counter()
+            if time_left() < 5:
+                emit({"model": name, "precision": precision, "skipped": "out of the section's time"})
+                continue
+            try:
+                model, inputs = build(name)
+                model, inputs = model.to(device), _to(inputs, device)
+                ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+                with ctx:
+                    planner = Planner(model, inputs)
+                    planner.autotune = False  # the figures checked here are bytes and gradients, not speed
+                    row = run_case(planner, model, inputs, "auto", 0.5)
+            except Exception as e:
+                row = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                       "where": traceback.format_exc().splitlines()[-3:]}
+            keep = ("feasible", "budget_bytes", "predicted_bytes", "measured_bytes", "baseline_measured_bytes",
+                    "prediction_error", "within_budget", "exact", "max_abs_grad_diff", "same_as_captured_graph",
+                    "regions", "failed", "skipped", "where")
+            emit({"model": name, "precision": precision, "seconds": time.perf_counter() - t0,
+                  **{k: row[k] for k in keep if k in row}})
+            log(f"zoo: {name} {precision}: {row.get('prediction_error', row.get('failed'))}")
+            del model, inputs
+            _free()
+    torch.use_deterministic_algorithms(False)
+
+
+def section_tests(sizes: dict, dry: bool, emit, log) -> None:
+    """The tests marked `cuda`, in a pytest of their own."""
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if "pytest.mark.cuda" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs", *files]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    emit({"files": files, "returncode": done.returncode, "summary": lines[-1] if lines else "", "tail": lines[-15:]})
+
+
+def section_compile(sizes: dict, dry: bool, emit, log) -> None:
+    """compile=True at compile@0.5's measured peak, raced against compile@0.5."""
+    import torch
+    from ckpt_planner.api import optimize
+    from ckpt_planner.compile.compiled import measure_compiled_step
+
+    from benchmarks.compile import compile_at
+
+    device = _device(dry)
+    s = sizes["compile"]
+    model, inputs = llama(s, device, torch.float32 if dry else torch.bfloat16)
+    t0 = time.perf_counter()
+    theirs = compile_at(model, 0.5)
+    peak = measure_compiled_step(theirs, theirs._orig_mod, (), inputs, device=device)
+    row: dict[str, Any] = {"shape": s, "compile_at_0.5_peak_bytes": peak, "their_compile_s": time.perf_counter() - t0}
+    log(f"compile: compile@0.5 peaks at {peak / 1e6:.0f} MB ({time.perf_counter() - t0:.0f} s)")
+    t0 = time.perf_counter()
+    try:
+        # one lowering: "best" compiles both, and each compile of this model takes most of the section's time
+        plan = optimize(model, inputs, budget_bytes=peak, compile=True, lowering="regions")
+    except Exception as e:
+        row.update(planned=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                   plan_s=time.perf_counter() - t0)
+        emit(row)
+        return
+    c = plan.stats.get("compiled", {})
+    row.update(planned=True, plan_s=time.perf_counter() - t0, ours_peak_bytes=plan.measured_peak_bytes,
+               lowering=c.get("lowering"), fits=plan.measured_peak_bytes <= peak)
+    timers = [Timer("compile@0.5", theirs, theirs._orig_mod, device), Timer("ours compile=True", plan.module, model, device)]
+    race(timers, inputs, s["rounds"], device)
+    row.update(medians_ms={t.name: t.median for t in timers}, ratio=timers[1].median / timers[0].median)
+    emit(row)
+
+
+# -- orchestration -------------------------------------------------------------------------------
+
+
+def child(section: str, rows_path: Path, dry: bool) -> int:
+    """Run one section in this interpreter, one JSON line per row as it is made."""
+    sizes = SIZES["dry" if dry else "full"]
+
+    def emit(row: dict) -> None:
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        globals()[f"section_{section}"](sizes, dry, emit, log)
+    except Exception as e:
+        emit({"section_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              "traceback": traceback.format_exc().splitlines()[-8:]})
+        return 1
+    return 0
+
+
+def run_section(section: str, dry: bool, limit: float, work: Path) -> dict:
+    rows_path = work / f"{section}.jsonl"
+    rows_path.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KINETO_LOG_LEVEL="6")
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read when CUDA starts
+    env.update(GPU_SECTION_LIMIT=str(limit), GPU_SECTION_DEADLINE=str(time.time() + limit))
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--child", section, "--rows", str(rows_path)] + (["--dry"] if dry else [])
+    t0 = time.perf_counter()
+    status = "ok"
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        tail = (done.stderr or "").strip().splitlines()[-20:]
+        if done.returncode != 0:
+            status = f"failed (exit {done.returncode})"
+    except subprocess.TimeoutExpired as e:
+        status = f"out of time after {limit:.0f} s"
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        tail = err.strip().splitlines()[-20:]
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
+    if any("section_error" in r for r in rows):
+        status = "failed"
+    return {"status": status, "seconds": time.perf_counter() - t0, "rows": rows, "log_tail": tail}
+
+
+def kind_of(env_rows: list[dict], dry: bool) -> str:
+    if dry:
+        return "dry"
+    name = (env_rows[0].get("device") if env_rows else "") or ""
+    for k in ("H200", "H100", "A100", "L40S", "L4", "B200"):
+        if k in name:
+            return k.lower()
+    return "cuda"
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f} %"
+
+
+def markdown(results: dict) -> str:
+    env = (results["sections"].get("env", {}).get("rows") or [{}])[0]
+    out = [f"# On the GPU: {env.get('device', '?')}", "",
+           f"torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
+           f"python {env.get('python')}. `{results['command']}`, {results['date']}, {results['seconds']:.0f} s.", "",
+           "| section | status | seconds |", "|---|---|---|"]
+    for name, sec in results["sections"].items():
+        out.append(f"| {name} | {sec['status']} | {sec['seconds']:.0f} |")
+    secs = results["sections"]
+    cap = [r for r in secs.get("cap", {}).get("rows", []) if "cap_bytes" in r]
+    if cap:
+        r = cap[0]
+        out += ["", "## Planning under a cap", "",
+                f"Plain step {_mb(r['plain_bytes'])} MB, transformers per-layer {_mb(r['per_layer_bytes'])} MB; "
+                f"cap {_mb(r['cap_bytes'])} MB ({'set_per_process_memory_fraction' if r['enforced'] else 'not enforced: no CUDA'}).", ""]
+        if r.get("planned"):
+            out.append(f"Planned in {r['plan_s']:.1f} s ({r['solver']}, {r['regions']} regions), planning peak "
+                       f"{_mb(r.get('planning_peak_bytes'))} MB; predicted {_mb(r['predicted_peak_bytes'])} MB; trained "
+                       f"{r['trained_steps']} steps at {_mb(r['train_peak_bytes'])} MB: within the cap: "
+                       f"{'yes' if r['within_cap'] else 'NO'}.")
+        else:
+            out.append(f"Not planned: {r.get('error')} (planning peak {_mb(r.get('planning_peak_bytes'))} MB).")
+    fr = secs.get("frontier", {}).get("rows", [])
+    points = [r for r in fr if r.get("kind") == "point"]
+    race_row = next((r for r in fr if r.get("kind") == "race"), None)
+    if points:
+        eager = next((r for r in fr if r.get("kind") == "eager"), {})
+        out += ["", "## Frontier: ours at each of transformers' points", "",
+                f"Llama {eager.get('shape')}, {eager.get('parameters', 0) / 1e9:.2f} B parameters; eager step "
+                f"{race_row['eager_ms']:.1f} ms (median of {race_row['rounds']}), peak {_mb(eager.get('peak_bytes'))} MB. "
+                "Overhead: median step over the eager model's median, minus one; CUDA events, interleaved.", "",
+                "| their point | their peak MB | their overhead | twin | ours peak MB | predicted MB | ours overhead "
+                "| ratio | fits | grads bitwise | plan s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in points:
+            if "infeasible" in p:
+                out.append(f"| {p['contender']} | {_mb(p['contender_peak_bytes'])} | {_pct(p['contender_overhead'])} "
+                           f"| {_pct(p['twin_overhead'])} | infeasible: {p['infeasible']} | | | | | | |")
+                continue
+            ratio = "-" if p.get("ratio") is None else f"{p['ratio']:.2f}x"
+            out.append(f"| {p['contender']} | {_mb(p['contender_peak_bytes'])} | {_pct(p['contender_overhead'])} "
+                       f"| {_pct(p['twin_overhead'])} | {_mb(p['ours_peak_bytes'])} | {_mb(p['predicted_peak_bytes'])} "
+                       f"| {_pct(p.get('ours_overhead'))} | {ratio} | {'yes' if p.get('fits') else 'NO'} "
+                       f"| {'yes' if p['grads_bitwise'] else 'no (' + format(p['max_abs_grad_diff'], '.1e') + ')'} "
+                       f"| {p['plan_s']:.0f} |")
+    zoo = [r for r in secs.get("zoo", {}).get("rows", []) if "model" in r]
+    if zoo:
+        out += ["", "## Zoo on CUDA at 50 % of activation memory (solver auto)", "",
+                "fp32 under `torch.use_deterministic_algorithms(True)`; bf16 under `torch.autocast`. Error: (predicted - "
+                "`max_memory_allocated` peak) / measured.", "",
+                "| model | precision | budget KB | predicted KB | measured KB | error | within | exact |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in zoo:
+            if r.get("failed") or r.get("skipped"):
+                out.append(f"| {r['model']} | {r['precision']} | {r.get('failed') or r.get('skipped')} | | | | | |")
+                continue
+            exact = "yes" if r["exact"] else f"no ({r['max_abs_grad_diff']:.1e})"
+            out.append(f"| {r['model']} | {r['precision']} | {r['budget_bytes'] / 1e3:,.1f} | {r['predicted_bytes'] / 1e3:,.1f} "
+                       f"| {r['measured_bytes'] / 1e3:,.1f} | {_pct(r['prediction_error'])} "
+                       f"| {'yes' if r['within_budget'] else 'NO'} | {exact} |")
+    tests = secs.get("tests", {}).get("rows", [])
+    if tests:
+        out += ["", "## CUDA tests", "", f"`pytest -m cuda` over {', '.join(tests[0]['files'])}: {tests[0]['summary']}"]
+    comp = [r for r in secs.get("compile", {}).get("rows", []) if "shape" in r]
+    if comp:
+        r = comp[0]
+        out += ["", "## compile=True against compile@0.5", "",
+                f"compile@0.5 peak {_mb(r['compile_at_0.5_peak_bytes'])} MB; "
+                + (f"ours {_mb(r['ours_peak_bytes'])} MB ({r['lowering']} lowering, planned in {r['plan_s']:.0f} s), "
+                   f"step {r['ratio']:.3f}x compile@0.5's (medians {r['medians_ms']})." if r.get("planned") and "ratio" in r
+                   else f"ours: {r.get('error', 'not raced')}.")]
+    errors = [(n, r) for n, sec in secs.items() for r in sec.get("rows", []) if "section_error" in r]
+    if errors:
+        out += ["", "## Errors", ""] + [f"- {n}: {r['section_error']}" for n, r in errors]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU: every code path, no figures")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--out", default=None, help="folder for gpu-<kind>.{json,md} (default benchmarks/results)")
+    ap.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        return child(a.child, Path(a.rows), a.dry)
+    sections = [s for s in a.sections.split(",") if s]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section {bad}; choose from {', '.join(SECTIONS)}")
+    if not a.dry:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("benchmarks.gpu: no CUDA device here; run with --dry for the CPU rehearsal", file=sys.stderr)
+            return 2
+    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu-dry-")) if a.dry else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    limits = DRY_LIMITS if a.dry else LIMITS
+    command = "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict[str, Any] = {"command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "dry": a.dry, "limits_s": limits, "sections": {}}
+    t0 = time.perf_counter()
+    if "env" not in sections:
+        sections.insert(0, "env")
+    with tempfile.TemporaryDirectory() as work:
+        for section in sections:
+            results["sections"][section] = sec = run_section(section, a.dry, limits[section], Path(work))
+            results["seconds"] = time.perf_counter() - t0
+            kind = kind_of(results["sections"]["env"]["rows"], a.dry)
+            print(f"[{results['seconds']:5.0f} s] {section}: {sec['status']} ({sec['seconds']:.0f} s)", flush=True)
+            if sec["status"] != "ok":
+                print("  " + "\n  ".join(sec["log_tail"]), flush=True)
+            (out / f"gpu-{kind}.json").write_text(json.dumps(results, indent=1, default=str))
+            (out / f"gpu-{kind}.md").write_text(markdown(results))
+    print((out / f"gpu-{kind}.md").read_text())
+    return 0 if all(s["status"] == "ok" for s in results["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
