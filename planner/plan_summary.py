@@ -28,6 +28,9 @@ def autotune_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
         pred = c.get("predicted_extra_s", 0.0)
         meas = c.get("measured_extra_s")
         pct = (lambda s: f"{100 * s / base:+.1f} %") if base > 0 else (lambda s: f"{s * 1e3:+.1f} ms")
+        if c.get("failed"):
+            rows.append((f"    {c.get('label')}", f"not raced: its step raised ({c['failed']})"))
+            continue
         rows.append((
             f"  {'*' if c.get('chosen') else ' '} {c.get('label')}",
             f"predicted {pct(pred)}, {c.get('predicted_peak_bytes', 0) / 1e6:.1f} MB; measured "

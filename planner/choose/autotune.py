@@ -25,6 +25,7 @@ timing store, so the same model and budget give the same plan on the next run wi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -99,15 +100,17 @@ class Measured:
     """The allocator's peak of one step (bytes, resident state included): what the budget is judged on."""
     times: tuple[float, ...]
     """Seconds of each timed step."""
+    failed: str | None = None
+    """Why the candidate's step raised (then it has no times and is never chosen)."""
 
     @property
     def step_s(self) -> float:
         """The fastest timed step: load on the machine only ever adds time (the calibration's rule)."""
-        return min(self.times)
+        return min(self.times) if self.times else math.inf
 
     @property
     def median_s(self) -> float:
-        return statistics.median(self.times)
+        return statistics.median(self.times) if self.times else math.inf
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ def noise_band(measured: Sequence[Measured], base: Sequence[float]) -> float:
 def choose(cands: Sequence[Candidate], measured: Sequence[Measured], budget: int, band: float) -> int | None:
     """Index of the winner: among candidates whose measured peak is within `budget`, those within `band`
     of the fastest step are ties, won by the least predicted time (then the earlier listed)."""
-    fits = [k for k, m in enumerate(measured) if m.peak_bytes <= budget]
+    fits = [k for k, m in enumerate(measured) if m.peak_bytes <= budget and m.failed is None]
     if not fits:
         return None
     fastest = min(measured[k].step_s for k in fits)
@@ -275,11 +278,12 @@ def _entry(c: Candidate, m: Measured, base_s: float, budget: int, chosen: bool) 
         "saved": list(c.saved),
         "predicted_peak_bytes": c.predicted_peak_bytes,
         "predicted_extra_s": c.predicted_extra_s,
-        "measured_peak_bytes": m.peak_bytes,
-        "measured_step_s": m.step_s,
-        "measured_median_s": m.median_s,
-        "measured_extra_s": m.step_s - base_s if base_s > 0 else None,
-        "fits": m.peak_bytes <= budget,
+        "measured_peak_bytes": None if m.failed else m.peak_bytes,
+        "measured_step_s": None if m.failed else m.step_s,
+        "measured_median_s": None if m.failed else m.median_s,
+        "measured_extra_s": m.step_s - base_s if base_s > 0 and not m.failed else None,
+        "fits": m.peak_bytes <= budget and not m.failed,
+        **({"failed": m.failed} if m.failed else {}),
         "chosen": chosen,
         "modules": list(c.modules),
     }
@@ -375,8 +379,19 @@ def device_measure(
         return time.perf_counter() - t0
 
     def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
-        modules = [build(c.regions, c.saved, c.modules) for c in cands]
-        peaks = [peak(m) for m in modules]
+        built = [build(c.regions, c.saved, c.modules) for c in cands]
+        peaks: list[int] = []
+        failed: dict[int, str] = {}
+        for k, m in enumerate(built):
+            # A candidate whose step raises (a whole module checkpointed by torch whose input a later op
+            # writes in place) is dropped here: autotune only ever chooses among steps that run.
+            try:
+                peaks.append(peak(m))
+            except Exception as e:  # noqa: BLE001
+                peaks.append(0)
+                failed[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        live = [k for k in range(len(built)) if k not in failed]
+        modules = [built[k] for k in live]
         everyone = [*modules]
         if baseline is not None:
             everyone.insert(0, build(*baseline))
@@ -390,7 +405,8 @@ def device_measure(
                 (base if k < first else times[k - first]).append(t)
         for p in params:
             p.grad = None
-        return [Measured(p, tuple(t)) for p, t in zip(peaks, times)], base
+        timed_of = dict(zip(live, times))
+        return [Measured(peaks[k], tuple(timed_of.get(k, ())), failed.get(k)) for k in range(len(built))], base
 
     return measure
 

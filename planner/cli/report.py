@@ -371,7 +371,8 @@ def _autotune_rows(plan: dict[str, Any]) -> list[list[str]]:
     for c in rec.get("candidates", []):
         rows.append([
             str(c.get("label")), "yes" if c.get("chosen") else "", _fmt_bytes(c.get("predicted_peak_bytes")),
-            _fmt_bytes(c.get("measured_peak_bytes")), "yes" if c.get("fits") else "no",
+            _fmt_bytes(c.get("measured_peak_bytes")) if not c.get("failed") else "step raised",
+            "yes" if c.get("fits") else "no",
             extra(c.get("predicted_extra_s")), extra(c.get("measured_extra_s")),
             f"{1e3 * float(c.get('measured_step_s') or 0.0):.2f}",
         ])

@@ -480,3 +480,28 @@ def test_an_eval_mode_model_races_without_its_own_code(store_dir, monkeypatch):
     cands = plan.stats["autotune"]["candidates"]
     assert len(cands) >= 2 and not any("(modules)" in c["label"] for c in cands)
     assert plan.predicted_peak_bytes <= budget and not model.training
+
+
+def test_a_candidate_whose_step_raises_is_dropped_from_the_race():
+    """Found on a U-Net: a whole module checkpointed by torch whose input a later ReLU(inplace=True) writes
+    raised a raw RuntimeError out of optimize(). Its step raising now drops it; the others race on."""
+    model, x = mlp()
+
+    class Raises(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("one of the variables needed for gradient computation has been modified")
+
+    def build(regions, saved, paths):
+        return Raises() if paths else model
+
+    measure = at.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
+    cands = [cand("solver", 0.01, 10**6), dataclasses.replace(cand("whole modules", 0.0, 10**5), modules=("0",)),
+             cand("other", 0.02, 10**6)]
+    measured, base = measure(cands, 2)
+    assert measured[1].failed.startswith("RuntimeError: one of the variables") and measured[1].times == ()
+    assert all(m.failed is None and len(m.times) == 2 for k, m in enumerate(measured) if k != 1)
+    tuned = at.tune(cands, 10**9, measure, steps=20)
+    assert tuned.index in (0, 2) and tuned.record["chosen"] != "whole modules"
+    entry = tuned.record["candidates"][1]
+    assert entry["fits"] is False and entry["measured_step_s"] is None and "RuntimeError" in entry["failed"]
+    json.dumps(tuned.record, allow_nan=False)  # the record goes to the timing store as strict JSON
