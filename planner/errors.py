@@ -18,6 +18,7 @@ __all__ = [
     "InexactPlanError",
     "StaleGraphError",
     "OutputError",
+    "CheckOutOfMemoryError",
     "InfeasibleBudgetError",
     "UnknownSolverError",
 ]
@@ -49,6 +50,10 @@ class SelectiveReplayError(PlannerError):
 
 class InexactPlanError(PlannerError):
     """No plan found whose training step equals the model's own; the message names what differs."""
+
+
+class CheckOutOfMemoryError(PlannerError):
+    """The step that checks a plan ran out of device memory; the message names the budget and the way out."""
 
 
 class StaleGraphError(PlannerError):

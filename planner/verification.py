@@ -267,14 +267,18 @@ def _rtol(dtype: torch.dtype) -> float:
     return {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float32: 1.3e-6}.get(dtype, 1e-7) * 10
 
 
+OUT_OF_MEMORY = "the step (out of device memory)"
+"""What `step_differences` reports alone when the module's step ran out of device memory."""
+
+
 def step_differences(
     model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
     bitwise: bool | None = None, reference: torch.nn.Module | None = None,
 ) -> list[str] | None:
     """What differs after one training step of `module` against one of `model` (the model's own
     parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
-    the step itself where the module's raises and the model's does not. None where the model's own
-    step raises: there is nothing to compare with.
+    the step itself where the module's raises and the model's does not (`[OUT_OF_MEMORY]` where it ran out
+    of device memory). None where the model's own step raises: there is nothing to compare with.
     bitwise=False judges allclose in the dtype (plans made with exact=False); None: bitwise on the CPU.
     `reference`: the module whose step stands for the model's (the step checkpointed per block, where
     the plain step does not fit the budget); its parameters are the model's.
@@ -322,6 +326,9 @@ def step_differences(
             return None
         try:
             got = run(module)
+        except torch.cuda.OutOfMemoryError:
+            # a step that does not fit says nothing of exactness: the caller decides (safety_net.py)
+            return [OUT_OF_MEMORY]
         except Exception as e:  # noqa: BLE001 - a plan whose step fails where the model's runs differs from it
             return [f"the step ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"]
     differ = []

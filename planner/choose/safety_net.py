@@ -16,18 +16,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..errors import InexactPlanError
+from ..errors import CheckOutOfMemoryError, InexactPlanError
 from ..lower.apply import checkpointed_copy
 from ..lower.rewrite import rewrite
 from ..settings import PlanRequest
 from ..solvers.problem import Solution
 from ..solvers.registry import InfeasibleBudgetError
-from ..verification import step_differences
+from ..verification import OUT_OF_MEMORY, step_differences
 from .budget import reference_over_budget
 from .profiled import Profiled
 from .solve import solve_budget
 
 __all__ = ["inexact_parts", "reference_module", "checked"]
+
+
+class _OutOfMemory(Exception):
+    """A checking step ran out of device memory: it says nothing of exactness."""
 
 
 def inexact_parts(
@@ -66,6 +70,8 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
     def differs(regions, saved) -> bool | None:
         found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,
                                  bitwise=None if p.exact else False, reference=reference)
+        if found == [OUT_OF_MEMORY]:
+            raise _OutOfMemory
         return None if found is None else bool(found)
 
     names = p.names
@@ -73,13 +79,26 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
         raise InexactPlanError("exact=False: the chunked step's gradients are not allclose to the model's; "
                                "plan with exact=True or report the model")
     for _ in range(3):
-        verdict = differs(solution.regions, solution.saved) if solution.regions else False
+        try:
+            verdict = differs(solution.regions, solution.saved) if solution.regions else False
+        except _OutOfMemory:
+            raise CheckOutOfMemoryError(
+                f"the step that checks the plan (predicted {solution.peak_bytes / 1e9:.3f} GB) ran out of device "
+                "memory: the caching allocator needs room beyond the tensors a plan counts; plan for a budget about "
+                "10 % under the device's limit, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pass "
+                "check_step=False") from None
         if verdict is None:
             note = "not checked against the model's own step: that step raises as given (its backward fails)"
             return solution, [*notes, note]
         if not verdict:
             return solution, notes
-        kept_only, bad = inexact_parts(solution.regions, solution.saved, differs)
+        try:
+            kept_only, bad = inexact_parts(solution.regions, solution.saved, differs)
+        except _OutOfMemory:  # a region alone keeps nearly the plain step's activations
+            raise CheckOutOfMemoryError(
+                "the plan's training step differed from the model's, and the steps that find the region at fault "
+                "(one region at a time) do not fit the device; plan where the model's plain step fits, pass "
+                "check_step=False, or report the model") from None
         nodes = list(p.problem.nodes)
         if kept_only:
             for i in solution.saved:
