@@ -20,8 +20,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..progress import native_stderr_dropped
 
-__all__ = ["AllocatorMeter", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "device_room",
+__all__ = ["CUDA_BLOCK_BYTES", "AllocatorMeter", "block_bytes", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "device_room",
            "fresh_autocast_cache", "measure_step_peaks", "storage_key", "warm_device_libraries"]
+
+
+CUDA_BLOCK_BYTES = 512
+"""CUDA's caching allocator rounds every block up to a multiple of this (`kMinBlockSize`)."""
+
+
+def block_bytes(nbytes: int, device: torch.device | str) -> int:
+    """The bytes `nbytes` take on `device`'s allocator. On CUDA a block is a multiple of 512 bytes, which
+    is most of a small tensor (a BatchNorm's per-channel statistics, a LayerNorm's row statistics):
+    counting tensors at their size alone under-predicted a small ResNet's step by 1.6 % on an H100."""
+    if nbytes <= 0 or torch.device(device).type != "cuda":
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+def tensor_block_bytes(t: torch.Tensor) -> int:
+    """`block_bytes` of a tensor's whole storage."""
+    return block_bytes(t.untyped_storage().nbytes(), t.device)
 
 
 def alive(refs: list[weakref.ref]) -> list[torch.Tensor]:

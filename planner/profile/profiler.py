@@ -42,7 +42,7 @@ from ..lower.selective import try_policy_costs
 from ..model_state import rng_preserved
 from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
-from .memory import alive, storage_key, warm_device_libraries
+from .memory import alive, block_bytes, storage_key, tensor_block_bytes, warm_device_libraries
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
 from .stagewise import measure_stages, stage_spans, with_stage_figures
 from .timing import finish_profile, robust_times, with_fastest
@@ -375,13 +375,13 @@ class _StorageTable:
                 # gradient of its output is still a new tensor of the output's size, made by the
                 # consumers' backward (a view's backward hands it on to its base as a view).
                 if not viewed and key in self.owner and t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                    grad_bytes += t.numel() * t.element_size()
+                    grad_bytes += block_bytes(t.numel() * t.element_size(), t.device)
                 continue
-            nbytes = t.untyped_storage().nbytes()
+            nbytes = tensor_block_bytes(t)
             self._new(key, i, nbytes)
             out_bytes += nbytes
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                grad_bytes += t.numel() * t.element_size()
+                grad_bytes += block_bytes(t.numel() * t.element_size(), t.device)
         return out_bytes, grad_bytes
 
     def add_saved(self, i: int, packed: Any) -> None:
@@ -391,7 +391,7 @@ class _StorageTable:
             if key in self.external:
                 continue
             if key not in self.owner:  # made and kept inside the op (a dropout mask, softmax stats)
-                self._new(key, i, t.untyped_storage().nbytes())
+                self._new(key, i, tensor_block_bytes(t))
             self.storages[self.owner[key]]["saved_by"].add(i)
 
     def read(self, reads: list[int], i: int) -> None:
@@ -457,10 +457,10 @@ def _cost_graph(
         for d in storages
     )
     param_bytes = cast_bytes + sum(
-        t.untyped_storage().nbytes()
+        tensor_block_bytes(t)
         for t in {storage_key(t): t for t in list(gm.parameters()) + list(gm.buffers())}.values()
     )
-    input_bytes = sum(t.untyped_storage().nbytes() for t in {storage_key(t): t for t in strided_tensors(flat)}.values())
+    input_bytes = sum(tensor_block_bytes(t) for t in {storage_key(t): t for t in strided_tensors(flat)}.values())
     return CostGraph(
         nodes=node_costs,
         storages=storage_costs,

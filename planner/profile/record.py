@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
-from .memory import AllocatorMeter, LiveMemory, autocast_dtypes, fresh_autocast_cache, storage_key
+from .memory import AllocatorMeter, LiveMemory, autocast_dtypes, fresh_autocast_cache, storage_key, tensor_block_bytes
 
 __all__ = ["AutocastCasts", "CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
 
@@ -194,7 +194,7 @@ class AutocastCasts(TorchDispatchMode):
             ):
                 key = storage_key(out)
                 if key not in self.made:
-                    self.made[key] = out.untyped_storage().nbytes()
+                    self.made[key] = tensor_block_bytes(out)
                     self.refs.append(weakref.ref(out))
         return out
 
