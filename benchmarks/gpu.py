@@ -5,7 +5,8 @@ leaves the rows it wrote, and the next one starts clean):
 
 - `env`: the device, torch, CUDA and transformers versions.
 - `cap`: a Llama-shaped model whose plain step needs twice the cap is planned and trained under
-  `torch.cuda.set_per_process_memory_fraction` set to that cap.
+  `torch.cuda.set_per_process_memory_fraction` set to that cap; `cap_segments` the same with
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
 - `frontier`: a ~1B Llama (16 x 2,048, 2,048 tokens, batch 4, bf16) raced against transformers'
   `every_n_layers` n = 1, 2, 4 and its `offload` option, ours planned at each of their measured peaks,
   with a twin of each of their points; CUDA events, interleaved, `rounds` steps each.
@@ -32,6 +33,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -44,12 +46,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("env", "cap", "frontier", "zoo", "tests", "compile")
+SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile")
 
 # Seconds each section may take on the device, in the order they run (under 9 minutes in all). The
 # dry run takes its own, larger limits: it runs on 2 busy CPU cores.
-LIMITS = {"env": 15, "cap": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55}
-DRY_LIMITS = {"env": 60, "cap": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240}
+LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55}
+DRY_LIMITS = {"env": 60, "cap": 120, "cap_segments": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240}
+# cap_segments: the cap section again under the allocator setting that stops fragmentation (read when CUDA
+# starts), to tell the allocator's own overhead from the plan's under a cap equal to the budget
+SECTION_ENV = {"cap_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 
 LLAMA_1B = dict(layers=16, d=2048, heads=16, kv=16, ffn=5632, vocab=32000, batch=4, seq=2048)
 SIZES = {
@@ -277,6 +282,7 @@ def section_cap(sizes: dict, dry: bool, emit, log) -> None:
                        plan_s=time.perf_counter() - t0)
             if device.type == "cuda":
                 row["planning_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                row["planning_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
             emit(row)
             return
         row.update(planned=True, plan_s=time.perf_counter() - t0, solver=plan.solver,
@@ -284,6 +290,7 @@ def section_cap(sizes: dict, dry: bool, emit, log) -> None:
                    notes=list(plan.notes)[:6])
         if device.type == "cuda":
             row["planning_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["planning_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         peaks = []
         for _ in range(3):
@@ -383,6 +390,12 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
         emit(row)
 
 
+def _where(limit: int) -> list[str]:
+    """The last lines of the traceback being handled, with file paths cut to the package's own."""
+    lines = traceback.format_exc().splitlines()[-limit:]
+    return [re.sub(r'"[^"]*(site-packages|dist-packages)/', '"', line).replace(str(ROOT) + "/", "") for line in lines]
+
+
 def _to(x, device):
     import torch
     from torch.utils import _pytree as pytree
@@ -391,40 +404,41 @@ def _to(x, device):
 
 
 def section_zoo(sizes: dict, dry: bool, emit, log) -> None:
-    """Every zoo model at 50 %: fp32 deterministic first, then bf16 autocast."""
+    """Every zoo model at 50 % (or those GPU_ZOO_MODELS names), in deterministic fp32 and in bf16 autocast."""
     import torch
     from ckpt_planner.api import Planner
 
     from tests.models.zoo import ZOO, build, run_case
 
     device = _device(dry)
-    names = sizes["zoo"] or tuple(ZOO)
-    for precision in ("fp32", "bf16"):
+    chosen = [m for m in os.environ.get("GPU_ZOO_MODELS", "").split(",") if m]
+    names = chosen or sizes["zoo"] or tuple(ZOO)
+    for name, precision in [(n, p) for n in names for p in ("fp32", "bf16")]:  # a cut-short run has both
         torch.use_deterministic_algorithms(precision == "fp32", warn_only=False)
-        for name in names:
-            t0 = time.perf_counter()
-            if time_left() < 5:
-                emit({"model": name, "precision": precision, "skipped": "out of the section's time"})
-                continue
-            try:
-                model, inputs = build(name)
-                model, inputs = model.to(device), _to(inputs, device)
-                ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-                with ctx:
-                    planner = Planner(model, inputs)
-                    planner.autotune = False  # the figures checked here are bytes and gradients, not speed
-                    row = run_case(planner, model, inputs, "auto", 0.5)
-            except Exception as e:
-                row = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                       "where": traceback.format_exc().splitlines()[-3:]}
-            keep = ("feasible", "budget_bytes", "predicted_bytes", "measured_bytes", "baseline_measured_bytes",
-                    "prediction_error", "within_budget", "exact", "max_abs_grad_diff", "same_as_captured_graph",
-                    "regions", "failed", "skipped", "where")
-            emit({"model": name, "precision": precision, "seconds": time.perf_counter() - t0,
-                  **{k: row[k] for k in keep if k in row}})
-            log(f"zoo: {name} {precision}: {row.get('prediction_error', row.get('failed'))}")
-            del model, inputs
-            _free()
+        t0 = time.perf_counter()
+        if time_left() < 5:
+            emit({"model": name, "precision": precision, "skipped": "out of the section's time"})
+            continue
+        model = inputs = None
+        try:
+            model, inputs = build(name)
+            model, inputs = model.to(device), _to(inputs, device)
+            ctx = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+            with ctx:
+                planner = Planner(model, inputs)
+                planner.autotune = False  # the figures checked here are bytes and gradients, not speed
+                row = run_case(planner, model, inputs, "auto", 0.5)
+        except Exception as e:
+            row = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                   "where": _where(3)}
+        keep = ("feasible", "budget_bytes", "predicted_bytes", "measured_bytes", "baseline_measured_bytes",
+                "prediction_error", "within_budget", "exact", "max_abs_grad_diff", "same_as_captured_graph",
+                "regions", "failed", "skipped", "where")
+        emit({"model": name, "precision": precision, "seconds": time.perf_counter() - t0,
+              **{k: row[k] for k in keep if k in row}})
+        log(f"zoo: {name} {precision}: {row.get('prediction_error', row.get('failed'))}")
+        del model, inputs
+        _free()
     torch.use_deterministic_algorithms(False)
 
 
@@ -490,20 +504,22 @@ def child(section: str, rows_path: Path, dry: bool) -> int:
 
     warnings.filterwarnings("ignore")
     try:
-        globals()[f"section_{section}"](sizes, dry, emit, log)
+        globals()[f"section_{section.removesuffix('_segments')}"](sizes, dry, emit, log)
     except Exception as e:
         emit({"section_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              "traceback": traceback.format_exc().splitlines()[-8:]})
+              "traceback": _where(8)})
         return 1
     return 0
 
 
-def run_section(section: str, dry: bool, limit: float, work: Path) -> dict:
+def run_section(section: str, dry: bool, limit: float, work: Path, zoo_models: str = "") -> dict:
     rows_path = work / f"{section}.jsonl"
     rows_path.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", KINETO_LOG_LEVEL="6")
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read when CUDA starts
-    env.update(GPU_SECTION_LIMIT=str(limit), GPU_SECTION_DEADLINE=str(time.time() + limit))
+    env.update(GPU_SECTION_LIMIT=str(limit), GPU_SECTION_DEADLINE=str(time.time() + limit), **SECTION_ENV.get(section, {}))
+    if zoo_models:
+        env["GPU_ZOO_MODELS"] = zoo_models
     cmd = [sys.executable, "-m", "benchmarks.gpu", "--child", section, "--rows", str(rows_path)] + (["--dry"] if dry else [])
     t0 = time.perf_counter()
     status = "ok"
@@ -519,7 +535,8 @@ def run_section(section: str, dry: bool, limit: float, work: Path) -> dict:
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     if any("section_error" in r for r in rows):
         status = "failed"
-    return {"status": status, "seconds": time.perf_counter() - t0, "rows": rows, "log_tail": tail}
+    return {"status": status, "seconds": time.perf_counter() - t0, "rows": rows, "log_tail": tail,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def kind_of(env_rows: list[dict], dry: bool) -> str:
@@ -545,23 +562,27 @@ def markdown(results: dict) -> str:
     out = [f"# On the GPU: {env.get('device', '?')}", "",
            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
            f"python {env.get('python')}. `{results['command']}`, {results['date']}, {results['seconds']:.0f} s.", "",
-           "| section | status | seconds |", "|---|---|---|"]
-    for name, sec in results["sections"].items():
-        out.append(f"| {name} | {sec['status']} | {sec['seconds']:.0f} |")
+           "| section | status | seconds | run |", "|---|---|---|---|"]
+    for name in [n for n in SECTIONS if n in results["sections"]]:
+        sec = results["sections"][name]
+        out.append(f"| {name} | {sec['status']} | {sec['seconds']:.0f} | {sec.get('date', results['date'])} |")
     secs = results["sections"]
-    cap = [r for r in secs.get("cap", {}).get("rows", []) if "cap_bytes" in r]
-    if cap:
+    for name, how in (("cap", "the default allocator"), ("cap_segments", "expandable_segments:True")):
+        cap = [r for r in secs.get(name, {}).get("rows", []) if "cap_bytes" in r]
+        if not cap:
+            continue
         r = cap[0]
-        out += ["", "## Planning under a cap", "",
+        out += ["", f"## Planning under a cap ({how})", "",
                 f"Plain step {_mb(r['plain_bytes'])} MB, transformers per-layer {_mb(r['per_layer_bytes'])} MB; "
                 f"cap {_mb(r['cap_bytes'])} MB ({'set_per_process_memory_fraction' if r['enforced'] else 'not enforced: no CUDA'}).", ""]
         if r.get("planned"):
             out.append(f"Planned in {r['plan_s']:.1f} s ({r['solver']}, {r['regions']} regions), planning peak "
-                       f"{_mb(r.get('planning_peak_bytes'))} MB; predicted {_mb(r['predicted_peak_bytes'])} MB; trained "
-                       f"{r['trained_steps']} steps at {_mb(r['train_peak_bytes'])} MB: within the cap: "
-                       f"{'yes' if r['within_cap'] else 'NO'}.")
+                       f"{_mb(r.get('planning_peak_bytes'))} MB allocated, {_mb(r.get('planning_reserved_bytes'))} MB "
+                       f"reserved; predicted {_mb(r['predicted_peak_bytes'])} MB; trained {r['trained_steps']} steps at "
+                       f"{_mb(r['train_peak_bytes'])} MB: within the cap: {'yes' if r['within_cap'] else 'NO'}.")
         else:
-            out.append(f"Not planned: {r.get('error')} (planning peak {_mb(r.get('planning_peak_bytes'))} MB).")
+            out.append(f"Not planned: {r.get('error')} (planning peak {_mb(r.get('planning_peak_bytes'))} MB allocated, "
+                       f"{_mb(r.get('planning_reserved_bytes'))} MB reserved).")
     fr = secs.get("frontier", {}).get("rows", [])
     points = [r for r in fr if r.get("kind") == "point"]
     race_row = next((r for r in fr if r.get("kind") == "race"), None)
@@ -621,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry", action="store_true", help="tiny shapes on the CPU: every code path, no figures")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--out", default=None, help="folder for gpu-<kind>.{json,md} (default benchmarks/results)")
+    ap.add_argument("--limits", default="", help="seconds per section, e.g. frontier=200,compile=120")
+    ap.add_argument("--zoo-models", default="", help="comma-separated zoo models (default: every one)")
     ap.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -638,7 +661,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu-dry-")) if a.dry else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    limits = DRY_LIMITS if a.dry else LIMITS
+    limits = dict(DRY_LIMITS if a.dry else LIMITS)
+    try:
+        limits.update({k: float(v) for k, v in (x.split("=") for x in a.limits.split(",") if x)})
+    except ValueError:
+        ap.error("--limits: give section=seconds pairs, e.g. frontier=200,compile=120")
     command = "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])
     results: dict[str, Any] = {"command": command.strip(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "dry": a.dry, "limits_s": limits, "sections": {}}
@@ -647,9 +674,14 @@ def main(argv: list[str] | None = None) -> int:
         sections.insert(0, "env")
     with tempfile.TemporaryDirectory() as work:
         for section in sections:
-            results["sections"][section] = sec = run_section(section, a.dry, limits[section], Path(work))
+            results["sections"][section] = sec = run_section(section, a.dry, limits[section], Path(work), a.zoo_models)
             results["seconds"] = time.perf_counter() - t0
             kind = kind_of(results["sections"]["env"]["rows"], a.dry)
+            earlier = out / f"gpu-{kind}.json"
+            if section == "env" and earlier.exists() and set(sections) != set(SECTIONS):
+                # a run of some sections keeps the others' figures from the last run on this kind (each dated)
+                kept = json.loads(earlier.read_text()).get("sections", {})
+                results["sections"] = {**{k: v for k, v in kept.items() if k not in sections}, "env": sec}
             print(f"[{results['seconds']:5.0f} s] {section}: {sec['status']} ({sec['seconds']:.0f} s)", flush=True)
             if sec["status"] != "ok":
                 print("  " + "\n  ".join(sec["log_tail"]), flush=True)
