@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .errors import InputError, PlanFileError, PlanMismatchError
+from .errors import CaptureError, InputError, PlanFileError, PlanMismatchError
 from .plan_schema import check_plan, read_plan_file, write_file
 from .plan_summary import autotune_rows
 
@@ -395,20 +395,31 @@ class Plan:
             )
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
-        """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for."""
+        """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for.
+
+        An exported plan made on the meta device (a model too large for the planning machine) was made
+        for the graph the meta device gives, the same computation as the real device's but not the same
+        graph: the model is captured as on the meta device (trace.py `capture_as_on_meta`). So is an
+        exported graph that does not match, for a plan file that does not say where it was captured.
+        """
         from .capture.mutation import compute_nodes
-        from .capture.trace import capture, flatten_for_graph
+        from .capture.trace import capture, capture_as_on_meta
 
         method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
-        cap = capture(model, example_inputs, method=method)
-        if self.stats.get("chunks"):  # exact=False: the same token-wise groups run in chunks
-            from .lower.chunk import ChunkSpec, chunk_capture
-
-            try:
-                cap = chunk_capture(cap, [ChunkSpec.from_dict(c) for c in self.stats["chunks"]])[0]
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                raise PlanMismatchError(f"plan chunked regions do not match this model's graph ({e})") from None
-        fp = graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
+        if self.capture_method == "export" and self.stats.get("captured_on") == "meta":
+            cap, fp = self._as_planned(capture_as_on_meta(model, example_inputs, method="export"))
+        else:
+            first = capture(model, example_inputs, method=method)
+            cap, fp = self._as_planned(first)
+            if fp != self.fingerprint and first.method == "export" and not first.on_meta:
+                try:
+                    again = self._as_planned(capture_as_on_meta(model, example_inputs, method="export"))
+                except CaptureError:  # not capturable on meta, so not what a plan made there was made for
+                    again = (None, "")
+                if again[1] == self.fingerprint:
+                    cap, fp = again
+        if cap is None:
+            raise PlanMismatchError(f"plan chunked regions do not match this model's graph ({fp})")
         if fp != self.fingerprint:
             raise PlanMismatchError(
                 f"plan fingerprint {self.fingerprint} was made for another model or input shape "
@@ -422,6 +433,18 @@ class Plan:
                 if i >= len(nodes) or nodes[i].name != name:
                     raise PlanMismatchError(f"plan saved op {name} does not match this model's graph")
         return cap
+
+    def _as_planned(self, cap: Any) -> tuple[Any, str]:
+        """(`cap` as the plan was made on it, its fingerprint): with the plan's token-wise groups run in
+        chunks (exact=False). (None, why) when those groups do not fit this graph."""
+        if self.stats.get("chunks"):
+            from .lower.chunk import ChunkSpec, chunk_capture
+
+            try:
+                cap = chunk_capture(cap, [ChunkSpec.from_dict(c) for c in self.stats["chunks"]])[0]
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                return None, str(e)
+        return cap, _fingerprint_of(cap)
 
     def check_figures(self, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
         """Re-profile `model` (captured as `cap`) and re-derive every figure this plan states; returns the Problem.
@@ -445,9 +468,12 @@ class Plan:
         from .solvers.simulate import normalize_regions, simulate
 
         with ModelState(model).preserved():
-            # profiled as the plan was: a stage at a time (bounded memory) or the step whole
+            # profiled as the plan was: a stage at a time (bounded memory) or the step whole; a plan made on
+            # the meta device on fake tensors there, which are the figures it states (no workspaces, no
+            # generator state in device memory)
             by_stage = self.stats.get("profile") == "stages"
-            cost = profile(cap, ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage))
+            config = ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage, meta=cap.as_on_meta)
+            cost = profile(cap, config, device=torch.device("meta") if cap.as_on_meta else None)
         problem = cost.to_problem(name=type(model).__name__)
         dist = self.stats.get("sharding") if isinstance(self.stats.get("sharding"), dict) else {}
         problem, _ = shard_problem(
@@ -610,6 +636,12 @@ def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, 
                 "overlap without nesting"
             )
         stack.append(i)
+
+
+def _fingerprint_of(cap: Any) -> str:
+    from .capture.trace import flatten_for_graph
+
+    return graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
 
 
 def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -33,7 +33,7 @@ from .shapes import export_dynamic
 
 logger = logging.getLogger("ckpt_planner.capture")
 
-__all__ = ["Capture", "capture", "normalize_inputs", "flatten_for_graph"]
+__all__ = ["Capture", "capture", "capture_as_on_meta", "normalize_inputs", "flatten_for_graph"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,17 @@ class Capture:
     dynamic_dims: bool = True
     """The graph takes other input sizes (symbolic_trace, or export with dynamic dimensions); False when
     export had to pin every dimension to the example's (see shapes.py)."""
+    as_on_meta: bool = False
+    """Captured as on the meta device (`capture_as_on_meta`): the graph of a model built there, run on
+    the model's own tensors."""
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether the graph is the one the meta device gives: the inputs were meta tensors, or it was
+        captured as on the meta device."""
+        return self.as_on_meta or any(
+            t.device.type == "meta" for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, torch.Tensor)
+        )
 
 
 def normalize_inputs(example_inputs: Any, model: torch.nn.Module | None = None) -> tuple[tuple, dict[str, Any]]:
@@ -168,6 +179,10 @@ def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str =
         raise InputError(f"method: {method!r} is not one of 'auto', 'symbolic_trace', 'export'")
     check_training_graph(model)
     args, kwargs = normalize_inputs(example_inputs, model)
+    return _capture_call(model, args, kwargs, method)
+
+
+def _capture_call(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], method: str) -> Capture:
     was_training = model.training
     model.train()
     try:
@@ -183,6 +198,82 @@ def capture(model: torch.nn.Module, example_inputs: Any = None, *, method: str =
         if match is not None:
             left.remove(match)
     return dataclasses.replace(cap, own_checkpoints=tuple(traced + left))
+
+
+def capture_as_on_meta(model: torch.nn.Module, example_inputs: Any = None, *, method: str = "auto") -> Capture:
+    """Capture `model` as if it and its inputs had been built on the meta device, runnable where they live.
+
+    A plan made on the meta device was made for the graph of that capture, which differs from one on a
+    real device although the computation is the same: meta inputs export with static sizes (shapes.py),
+    and a layout no-op on the real device is a copy on meta (the math-path attention's output is not
+    contiguous after its transpose there, so `.contiguous()` records a node the fused kernels' layout
+    elides). Re-capturing with the parameters, buffers and inputs swapped for meta tensors of the same
+    shapes and strides gives that graph node for node, so the plan's regions apply as they are; the
+    graph is then bound to the model's own tensors and its device arguments point at their device
+    (a no-op layout node is as cheap there as in the real capture: it returns its input).
+    """
+    if method not in ("auto", "symbolic_trace", "export"):
+        raise InputError(f"method: {method!r} is not one of 'auto', 'symbolic_trace', 'export'")
+    check_training_graph(model)
+    args, kwargs = normalize_inputs(example_inputs, model)
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    tensors += list(model.parameters()) + list(model.buffers())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    memo: dict[int, torch.Tensor] = {}
+    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _meta_like(t, memo), (args, kwargs))
+    with _state_on_meta(model, memo):
+        cap = _capture_call(model, meta_args, meta_kwargs, method)
+    gm = cap.graph_module
+    _rebind_state(gm, model)
+    for sub in gm.modules():
+        if isinstance(sub, fx.GraphModule):
+            _retarget_devices(sub, torch.device("meta"), device)
+    return dataclasses.replace(cap, args=args, kwargs=kwargs, as_on_meta=True)
+
+
+def _meta_like(t: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A meta tensor of t's shape, strides, dtype and kind (a Parameter stays one); one per object, so tied
+    weights stay tied."""
+    meta = memo.get(id(t))
+    if meta is None:
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        if isinstance(t, torch.nn.Parameter):
+            meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+        else:
+            meta.requires_grad_(t.requires_grad)
+        memo[id(t)] = meta
+    return meta
+
+
+@contextlib.contextmanager
+def _state_on_meta(model: torch.nn.Module, memo: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Within: every parameter and buffer of `model` is a meta tensor of its shape; put back on exit."""
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and t.device.type != "meta":
+                        swapped.append((table, name, t))
+                        table[name] = _meta_like(t, memo)
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Point every `device=old` argument of the graph's nodes at `new`."""
+    def swap(a: Any) -> Any:
+        return new if isinstance(a, torch.device) and a == old else a
+
+    changed = False
+    for n in gm.graph.nodes:
+        args, kwargs = fx.node.map_aggregate(n.args, swap), fx.node.map_aggregate(n.kwargs, swap)
+        if args != n.args or kwargs != n.kwargs:
+            n.args, n.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
 
 
 def _own_checkpoint_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[OwnCheckpoint]:

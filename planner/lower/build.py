@@ -23,6 +23,8 @@ Replan = Callable[[tuple, dict[str, Any]], torch.nn.Module]
 def lower_plan(plan: Any, model: torch.nn.Module, cap: Capture, *, chunked: bool, whole_modules: list[str] | None,
                on_larger_shape: str, replan: Replan, values: Any = None) -> None:
     """Give `plan` (a Plan) its `module`, and the notes and step figures that go with the choice made."""
+    if cap.on_meta:  # its graph is the meta device's: Plan.rebuild captures the real model that way
+        plan.stats["captured_on"] = "meta"
     if not plan.regions and not chunked and on_larger_shape == "error":
         # Nothing to recompute: the model itself, not its captured graph (which costs time of its own).
         plan.module, plan.graph_overhead_s, plan.predicted_step_s = model, 0.0, plan.eager_step_s
