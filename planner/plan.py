@@ -351,6 +351,7 @@ class Plan:
     def _rebuild(self, model: torch.nn.Module, example_inputs: Any, *, check_step: bool | None = None) -> torch.nn.Module:
         from .lower.rewrite import rewrite
 
+        model = self._as_made_for(model, example_inputs)
         cap = self._matching_capture(model, example_inputs)
         loaded = self.problem is None
         if loaded:
@@ -393,6 +394,14 @@ class Plan:
                 f"{what}: this plan's saving is a choice inside torch.compile's partitioner (knapsack lowering), "
                 "not checkpoint regions; compile the model with ckpt_planner.compile.compiled.compile_saved_plan(model, plan)"
             )
+
+    def _as_made_for(self, model: torch.nn.Module, example_inputs: Any) -> torch.nn.Module:
+        """`model` as the plan was made for it: returning its loss alone for a plan made with outputs="loss"."""
+        if self.stats.get("outputs") != "loss":
+            return model
+        from .lower.outputs import loss_outputs
+
+        return loss_outputs(model, example_inputs)
 
     def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
         """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for.
@@ -557,6 +566,10 @@ class Plan:
         from .lower.apply import apply_plan, checkpointed_copy
 
         self._refuse_knapsack("apply")
+        if self.stats.get("outputs") == "loss":
+            raise InputError("plan.apply: this plan was made with outputs='loss' (the model returning its loss "
+                             "alone), which checkpointing the model in place cannot give; use "
+                             "plan.rebuild(model, example_inputs), whose module returns the loss alone")
         check = None
         if self.problem is None and example_inputs is None:
             self.check_budget()

@@ -196,6 +196,7 @@ _STATS = _obj({
     "own_checkpointing": _any,
     "profile": _str(100),
     "captured_on": _str(100),
+    "outputs": _str(100),
     "compiled": _obj({"lowering": _str(100), "knapsack": _obj({
         "estimated_recompute_s": _SECONDS, "candidates": _int(0, MAX_NODES), "kept_saved": _int(0, MAX_NODES),
         "saved_bytes": _num(0, MAX_BYTES), "candidate_bytes": _num(0, MAX_BYTES)})}),

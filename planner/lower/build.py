@@ -13,6 +13,7 @@ from ..capture.shapes import ShapeGuard, guard_model, input_shapes
 from ..capture.trace import Capture
 from ..progress import stage
 from .apply import checkpointed_copy
+from .outputs import returns_loss_only
 from .rewrite import rewrite
 
 __all__ = ["lower_plan"]
@@ -25,6 +26,8 @@ def lower_plan(plan: Any, model: torch.nn.Module, cap: Capture, *, chunked: bool
     """Give `plan` (a Plan) its `module`, and the notes and step figures that go with the choice made."""
     if cap.on_meta:  # its graph is the meta device's: Plan.rebuild captures the real model that way
         plan.stats["captured_on"] = "meta"
+    if returns_loss_only(model):  # outputs="loss": Plan.rebuild returns the loss alone too
+        plan.stats["outputs"] = "loss"
     if not plan.regions and not chunked and on_larger_shape == "error":
         # Nothing to recompute: the model itself, not its captured graph (which costs time of its own).
         plan.module, plan.graph_overhead_s, plan.predicted_step_s = model, 0.0, plan.eager_step_s

@@ -140,3 +140,28 @@ def test_chunked_plan_never_makes_the_logits_whole():
     torch.testing.assert_close(loss, ref_loss)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_a_saved_loss_only_plan_rebuilds_returning_the_loss_alone(tmp_path):
+    """The plan file records outputs="loss": rebuilt on a fresh model, its module returns the loss alone
+    (the graph it was made for), steps as the model does, and fits; apply, which cannot drop the logits
+    in place, says so in one line."""
+    from ckpt_planner.plan import Plan
+
+    model, inputs = _model(), _inputs()
+    floor = floor_of(Planner(model, inputs, profile_config=FLOPS, outputs="loss").profiled, "auto", {}, False)[0]
+    plan = optimize(model, inputs, budget_bytes=floor + 64_000, profile_config=FLOPS, outputs="loss", autotune=False)
+    assert plan.regions, "the test needs a plan that checkpoints"
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    fresh = _model()
+    module = loaded.rebuild(fresh, inputs)
+    out = module(**inputs)
+    assert out["logits"] is None and loaded.spans() == plan.spans()
+    ref_loss, ref_grads = _step(fresh, fresh, inputs)
+    loss, grads = _step(module, fresh, inputs)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert _peak(module, fresh, inputs) <= loaded.budget_bytes
+    with pytest.raises(InputError, match="outputs='loss'") as info:
+        Plan.load(tmp_path / "plan.json").apply(_model(), inputs)
+    assert "\n" not in str(info.value)
