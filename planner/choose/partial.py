@@ -11,10 +11,16 @@ eagerly, as torch.compile does at graph breaks:
    tried on their own (nothing to checkpoint inside them).
 3. The pieces' Problems are joined in call order into one Problem, separated
    by a node that cannot be recomputed (no region spans two pieces). What
-   runs eagerly is counted as resident for the whole step: the activations it
-   saves for backward (measured with saved_tensors_hooks), the gradients of
-   its parameters, and each piece's inputs and outputs. The prediction is
-   therefore an upper bound.
+   runs eagerly between two pieces, or after the last, is that node (or a
+   last one): the activations it saves for backward (measured with
+   saved_tensors_hooks) are its own, held from its forward to its backward,
+   as in a real step, where the loss's saved tensors are gone before the
+   last piece's backward starts. The activations of the eager code before the
+   first piece, the gradients of the eager code's parameters and the pieces'
+   inputs that no piece made are counted resident for the whole step; a piece's
+   input that an earlier piece returns, or that the model was called with, is
+   counted once, with that piece's outputs or the inputs. The prediction is
+   an upper bound.
 4. The solution's regions are split back per piece; each piece is rewritten
    and put in place of its submodule in a shallow copy of the model, which
    shares every parameter and buffer and keeps the state_dict keys.
@@ -140,25 +146,53 @@ def find_pieces(
     return pieces, left_out
 
 
-def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list[str]) -> int:
-    """Bytes of activations the eager code (outside every piece) saves for backward in one forward."""
+@dataclass(frozen=True)
+class EagerCosts:
+    """What the eager code (outside every piece) holds in one forward (bytes)."""
+
+    saved: tuple[int, ...]
+    """Activations it saves for backward, per stretch of eager code: before the first piece, between
+    each two, after the last (one more than the pieces)."""
+    edges: int
+    """The pieces' inputs that no piece returned, nor the model was called with: made by the eager code."""
+
+
+def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list[str]) -> EagerCosts:
+    """One forward with grad: the eager code's saved activations per stretch, and the pieces' inputs it made."""
     own = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
     own |= {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    inside = [0]
-    saved: dict[int, int] = {}
+    inside, done = [0], [0]  # pieces running now; pieces whose forward has returned
+    saved: list[dict[int, int]] = [{} for _ in range(len(pieces) + 1)]  # per stretch: storage address -> bytes
+    made = dict.fromkeys(own, 0)  # storages resident already: state, inputs, the pieces' outputs
+    edges: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not inside[0] and t.device.type != "meta":
             ptr = t.untyped_storage().data_ptr()
             if ptr not in own:
-                saved[ptr] = t.untyped_storage().nbytes()
+                saved[done[0]][ptr] = t.untyped_storage().nbytes()
         return t
+
+    def tensors(value: Any) -> list[torch.Tensor]:
+        return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+
+    def enter(_mod: torch.nn.Module, a: tuple, k: dict) -> None:
+        inside[0] += 1
+        for t in tensors((a, k)):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in made:
+                edges[ptr] = t.untyped_storage().nbytes()
+
+    def leave(_mod: torch.nn.Module, _a: tuple, _k: dict, out: Any) -> None:
+        inside[0] -= 1
+        done[0] += 1
+        made.update(dict.fromkeys(t.untyped_storage().data_ptr() for t in tensors(out)))
 
     handles = []
     for path in pieces:
         mod = model.get_submodule(path)
-        handles.append(mod.register_forward_pre_hook(lambda *_: inside.__setitem__(0, inside[0] + 1)))
-        handles.append(mod.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] - 1)))
+        handles.append(mod.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(mod.register_forward_hook(leave, with_kwargs=True))
     try:
         with ModelState(model).preserved(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.train()
@@ -167,17 +201,34 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
     finally:
         for h in handles:
             h.remove()
-    return sum(saved.values())
+    return EagerCosts(tuple(sum(s.values()) for s in saved), sum(edges.values()))
 
 
-def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int) -> tuple[Problem, list[int]]:
-    """One Problem: the pieces in call order, a non-recomputable node between two, `fixed_bytes` resident."""
+def _eager_node(name: str, index: int, saved_bytes: int, before: list[Node], offset: int) -> tuple[Node, list[Storage]]:
+    """A stretch of eager code as a node that cannot be recomputed; what it saves is held to its backward.
+    It reads the outputs of the piece before it (`before`, from node `offset`): their gradients are made by
+    its backward and held until the piece's own."""
+    reads = tuple(offset + i for i, n in enumerate(before) if n.is_output)
+    node = Node(name=name, recomputable=False, inputs=reads)
+    if not saved_bytes:
+        return node, []
+    return node, [Storage(producer=index, nbytes=saved_bytes, last_use=index, saved_by=(index,))]
+
+
+def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int,
+          eager_saved: tuple[int, ...] = ()) -> tuple[Problem, list[int]]:
+    """One Problem: the pieces in call order, a non-recomputable node for the eager code between two and
+    after the last (`eager_saved`: its saved bytes per stretch, see EagerCosts), `fixed_bytes` resident."""
     nodes: list[Node] = []
     storages: list[Storage] = []
     offsets: list[int] = []
+    eager_saved = tuple(eager_saved) + (0,) * (len(pieces) + 1 - len(eager_saved))
+    base = 0
     for k, (path, _, cost) in enumerate(pieces):
         if k:
-            nodes.append(Node(name=f"eager before {path}", recomputable=False))
+            node, own = _eager_node(f"eager before {path}", len(nodes), eager_saved[k], nodes[base:], base)
+            nodes.append(node)
+            storages += own
         base, sbase = len(nodes), len(storages)
         offsets.append(base)
         for n in cost.to_problem().nodes:
@@ -196,6 +247,10 @@ def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int) -> tup
                     s, producer=s.producer + base, last_use=s.last_use + base, saved_by=tuple(i + base for i in s.saved_by)
                 )
             )
+    if pieces:  # the loss and whatever else follows the last piece
+        node, own = _eager_node(f"eager after {pieces[-1][0]}", len(nodes), eager_saved[len(pieces)], nodes[base:], base)
+        nodes.append(node)
+        storages += own
     return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes), offsets
 
 
@@ -226,15 +281,15 @@ class PartialPlanner(BasePlanner):
         with ModelState(model).preserved():
             costs = [(path, cap, profile(cap, config)) for path, cap in found]
         paths = [path for path, _, _ in costs]
-        self.eager_saved_bytes = _eager_costs(model, args, kwargs, paths)  # bytes
+        eager = _eager_costs(model, args, kwargs, paths)
+        self.eager_saved_bytes = sum(eager.saved)  # bytes
         in_pieces = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
         state = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
         eager_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_pieces)
-        edges = sum(c.input_bytes for _, _, c in costs)  # a piece's outputs are its graph's outputs: resident already
-        self.eager_bytes = self.eager_saved_bytes + eager_grads + edges  # bytes counted resident for the step
+        self.eager_bytes = eager.saved[0] + eager_grads + eager.edges  # bytes counted resident for the step
         fixed = sum(t.untyped_storage().nbytes() for t in state) + optimizer_bytes + self.eager_bytes
         fixed += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        self.problem, offsets = _join(costs, fixed)
+        self.problem, offsets = _join(costs, fixed, eager.saved)
         self.pieces = [Piece(path, cap, cost, off) for (path, cap, cost), off in zip(costs, offsets)]
 
     @property
@@ -319,10 +374,10 @@ class PartialPlanner(BasePlanner):
             "the whole model could not be captured" + (f" ({_short(self.reason)})" if self.reason else "")
             + f"; planned {len(self.pieces)} captured "
             f"submodules: {', '.join(p.path for p in self.pieces)}",
-            f"left out, run eagerly: {shown}; their saved activations ({self.eager_saved_bytes / 1e6:.2f} MB), "
-            f"their parameters' gradients and the captured pieces' inputs and outputs "
-            f"({self.eager_bytes / 1e6:.2f} MB in all) are counted resident for the whole step, so the "
-            "predicted peak is an upper bound",
+            f"left out, run eagerly: {shown}; their saved activations ({self.eager_saved_bytes / 1e6:.2f} MB) are "
+            "held from their forward to their backward, and those before the first piece, their parameters' "
+            f"gradients and the pieces' inputs they make ({self.eager_bytes / 1e6:.2f} MB in all) for the whole "
+            "step, so the predicted peak is an upper bound",
         )
 
 
