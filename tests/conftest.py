@@ -1,5 +1,11 @@
 import functools
+import os
 import warnings
+
+# One intra-op thread, here and in the processes the tests start: the test models are tiny, so a
+# second thread saves nothing, and on a shared 2-core machine OpenMP threads that wait for each other
+# make each kernel many times slower. Set before torch loads so that child processes read it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -7,7 +13,7 @@ from ckpt_planner import api
 from ckpt_planner.profile.profiler import ProfileConfig
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -273,6 +273,9 @@ def _lightning_run(callbacks):
     return net
 
 
+# a planned Lightning fine-tune on top of the module's two Trainer runs. In the default run the Trainer
+# tests above check a callback running its plan, and test_callbacks.py the Lightning callback.
+@pytest.mark.slow
 def test_lightning_runs_the_plan_it_chose_at_the_collators_length() -> None:
     pytest.importorskip("lightning")
     from ckpt_planner.integrations import LightningPlanCallback

@@ -227,6 +227,9 @@ def test_bench_header_and_rows_share_one_baseline():
 # -- 8. infeasible before timing ------------------------------------------------------------------
 
 
+# a GPT-2 of the Quickstart's size profiled in full: the slowest test of the file. In the default run
+# test_cli_plan_refuses_an_infeasible_budget_before_timing checks the same refusal on a small model.
+@pytest.mark.slow
 def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monkeypatch, caplog):
     transformers = pytest.importorskip("transformers")
     bytes_pass = importlib.import_module("ckpt_planner.profile.bytes_pass")

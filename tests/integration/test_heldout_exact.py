@@ -36,9 +36,6 @@ from torch.utils import _pytree as pytree
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)
 METHODS = ["symbolic_trace", "export"]
 SOLVERS = ["uniform", "greedy", "dp", "ilp", "auto", "selective"]
-# The MILP's runs take 20-30 s each here: they run with the slow tests (CI runs both); `auto` runs the
-# MILP's answer among others in the default run.
-SLOW_ILP = [pytest.param(s, marks=pytest.mark.slow) if s == "ilp" else s for s in SOLVERS]
 
 
 def step(module, model, args, kwargs, ctx=contextlib.nullcontext, forwards: int = 1):
@@ -150,8 +147,18 @@ def test_each_random_op_is_seen_and_its_region_saves_the_generator(name, method)
     assert_same_step(model, module, (x,))
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("solver", SLOW_ILP)
+def _corpus_params():
+    """Each solver on each capture path. The corpus model takes 20-30 s a case on 2 busy cores: the default
+    run keeps dp on symbolic_trace and auto (which runs the MILP's answer among others) on export, the
+    other cases run with the slow tests (CI runs both). Every random op is checked on both paths by
+    test_each_random_op_is_seen_and_its_region_saves_the_generator."""
+    for solver in SOLVERS:
+        for method in METHODS:
+            fast = (solver, method) in {("dp", "symbolic_trace"), ("auto", "export")}
+            yield pytest.param(solver, method, marks=[] if fast else [pytest.mark.slow], id=f"{solver}-{method}")
+
+
+@pytest.mark.parametrize("solver,method", list(_corpus_params()))
 def test_random_corpus_plans_are_bitwise_for_every_solver(solver, method):
     torch.manual_seed(0)
     model, x = RandomCorpus(sorted(RANDOM_OPS)).train(), torch.randn(16, 32, 16)

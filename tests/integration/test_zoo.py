@@ -39,9 +39,11 @@ def _planned(name: str):
 
 def _params():
     for name in ZOO:
-        marks = [pytest.mark.slow] if name in SLOW else []
         for solver in solver_names():
-            yield pytest.param(name, solver, marks=marks, id=f"{name}-{solver}")
+            # the MILP's two solves of up to 2 s each: the default run keeps it on the U-Net, and `auto`
+            # (which runs the MILP's answer among others) on every model
+            slow = name in SLOW or (solver == "ilp" and name != "unet")
+            yield pytest.param(name, solver, marks=[pytest.mark.slow] if slow else [], id=f"{name}-{solver}")
 
 
 @pytest.mark.parametrize("name,solver", list(_params()))
