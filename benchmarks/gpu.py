@@ -368,7 +368,7 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
             "plan_s": time.perf_counter() - t1, "solver": plan.solver, "chosen": rec.get("chosen"),
             "regions": len(plan.regions), "predicted_peak_bytes": plan.predicted_peak_bytes,
             "ours_peak_bytes": mine_peak, "grads_bitwise": bitwise, "max_abs_grad_diff": diff,
-            "predicted_extra_s": plan.predicted_recompute_s if hasattr(plan, "predicted_recompute_s") else None,
+            "predicted_extra_s": plan.predicted_recompute_s,
         })
         log(f"frontier: ours @ {timer.name}: {mine_peak / 1e6:.0f} MB measured, {plan.predicted_peak_bytes / 1e6:.0f} "
             f"predicted, {time.perf_counter() - t1:.0f} s")
