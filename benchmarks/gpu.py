@@ -15,6 +15,9 @@ leaves the rows it wrote, and the next one starts clean):
   gradients bitwise (fp32) or their largest difference (bf16).
 - `tests`: the tests marked `cuda` (they skip without a device).
 - `compile`: `optimize(compile=True)` at compile@0.5's measured peak, against compile@0.5.
+- `offload`: the ~1B Llama at 0.5x, 0.75x and 1.0x of per-layer checkpointing's measured peak: our best
+  recompute-only plan against ours with offload (host copy bandwidth measured; simulated in the dry run)
+  and transformers' offload option where it has one; peaks, bitwise gradients, predicted and measured steps.
 
     python -m benchmarks.gpu                  # on a CUDA device: under 9 minutes on one H100
     python -m benchmarks.gpu --dry            # the whole run at tiny shapes on the CPU (the tests run it)
@@ -46,12 +49,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile")
+SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload")
 
 # Seconds each section may take on the device, in the order they run (under 9 minutes in all). The
 # dry run takes its own, larger limits: it runs on 2 busy CPU cores.
-LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55}
-DRY_LIMITS = {"env": 60, "cap": 120, "cap_segments": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240}
+LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55,
+          "offload": 190}
+DRY_LIMITS = {"env": 60, "cap": 120, "cap_segments": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240,
+              "offload": 240}
+OFFLOAD_FRACTIONS = (0.5, 0.75, 1.0)
+"""The offload section's budgets, as fractions of per-layer checkpointing's measured peak."""
+DRY_BANDWIDTH = (1e10, 1e10)
+"""The dry run's simulated host copy bandwidth (bytes/s each way): the CPU has none to measure."""
 # cap_segments: the cap section again under the allocator setting that stops fragmentation (read when CUDA
 # starts), to tell the allocator's own overhead from the plan's under a cap equal to the budget
 SECTION_ENV = {"cap_segments": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
@@ -63,12 +72,14 @@ SIZES = {
         # activations dominate: the plain step needs more than twice per-layer checkpointing's peak
         "cap": dict(layers=8, d=1024, heads=8, kv=8, ffn=2816, vocab=8000, batch=4, seq=4096),
         "compile": {**LLAMA_1B, "layers": 4, "rounds": 20},
+        "offload": {**LLAMA_1B, "rounds": 10},
         "zoo": None,  # every model
     },
     "dry": {
         "frontier": dict(layers=4, d=64, heads=4, kv=2, ffn=176, vocab=512, batch=2, seq=64, rounds=2, points=(1, 2)),
         "cap": dict(layers=4, d=64, heads=4, kv=4, ffn=176, vocab=256, batch=2, seq=256),
         "compile": dict(layers=2, d=32, heads=2, kv=2, ffn=64, vocab=128, batch=2, seq=32, rounds=2),
+        "offload": dict(layers=2, d=64, heads=4, kv=2, ffn=176, vocab=512, batch=2, seq=64, rounds=2),
         "zoo": ("gpt2", "unet"),
     },
 }
@@ -390,6 +401,81 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
         emit(row)
 
 
+def section_offload(sizes: dict, dry: bool, emit, log) -> None:
+    """Per-layer checkpointing's peak, then at fractions of it: our best recompute-only plan against ours with
+    offload (bandwidth measured; simulated in the dry run) and transformers' offload where it has one."""
+    import torch
+    from ckpt_planner.api import Planner
+    from ckpt_planner.profile.copy_bandwidth import copy_bandwidth
+    from ckpt_planner.solvers import InfeasibleBudgetError
+
+    device = _device(dry)
+    s = sizes["offload"]
+    model, inputs = llama(s, device, torch.float32 if dry else torch.bfloat16)
+    eager = Timer("eager", model, model, device)
+    eager_peak, eager_grads = peak_of(model, model, inputs, device)
+    per_layer = hf_every(model, 1)
+    layer_peak = peak_of(per_layer, per_layer, inputs, device)[0] if per_layer is not None else None
+    bw = copy_bandwidth(device, simulated=DRY_BANDWIDTH if dry else None)
+    emit({"kind": "setup", "shape": {k: v for k, v in s.items() if k != "rounds"}, "eager_peak_bytes": eager_peak,
+          "per_layer_peak_bytes": layer_peak, "d2h_bytes_per_s": bw.d2h_bytes_per_s,
+          "h2d_bytes_per_s": bw.h2d_bytes_per_s, "bandwidth_source": bw.source})
+    if layer_peak is None:
+        emit({"kind": "point", "missing": "no per-layer checkpointing in this transformers: no reference peak"})
+        return
+    log(f"offload: per-layer peak {layer_peak / 1e6:.0f} MB, bandwidth {bw.d2h_bytes_per_s / 1e9:.1f}/"
+        f"{bw.h2d_bytes_per_s / 1e9:.1f} GB/s ({bw.source})")
+    timers: list[Timer] = [eager]
+    hf = hf_every(model, 1, offload=True) if device.type == "cuda" else None  # transformers' offload pins host memory
+    if hf is None:
+        emit({"kind": "contender", "name": "hf offload", "missing": "no offload option in this transformers"
+              if device.type == "cuda" else "needs a CUDA device (it pins host memory)"})
+    else:
+        hf_peak, hf_grads = peak_of(hf, hf, inputs, device)
+        timers.append(Timer("hf offload (every layer)", hf, hf, device))
+        emit({"kind": "contender", "name": "hf offload", "peak_bytes": hf_peak,
+              "grads_bitwise": same_grads(eager_grads, hf_grads)[0]})
+    # the same graph planned twice: copies priced at 0 bytes/s (never offloads) and at the device's bandwidth
+    planners = {"recompute": Planner(model, inputs, offload_bandwidth=(0.0, 0.0)),
+                "offload": Planner(model, inputs, offload_bandwidth=(bw.d2h_bytes_per_s, bw.h2d_bytes_per_s))}
+    rows: list[tuple[Timer | None, dict]] = []
+    for fraction in OFFLOAD_FRACTIONS:
+        budget = int(fraction * layer_peak)
+        for label, planner in planners.items():
+            row = {"kind": "point", "fraction": fraction, "budget_bytes": budget, "plan": label}
+            if time_left() < 0.3 * float(os.environ.get("GPU_SECTION_LIMIT", "inf")):  # keep time for the race
+                rows.append((None, {**row, "infeasible": "not planned: the section's time went to the points before"}))
+                continue
+            t1 = time.perf_counter()
+            try:
+                plan = planner.plan(budget_bytes=budget, autotune=True)
+            except InfeasibleBudgetError as e:
+                rows.append((None, {**row, "infeasible": str(e).splitlines()[0]}))
+                continue
+            except Exception as e:  # a planning failure at one point is a finding; the race goes on
+                rows.append((None, {**row, "infeasible": f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+                continue
+            peak, grads = peak_of(plan.module, model, inputs, device)
+            bitwise, diff = same_grads(eager_grads, grads)
+            info = plan.stats.get("offload") or {}
+            rows.append((Timer(f"{label} @ {fraction}", plan.module, model, device), {
+                **row, "plan_s": time.perf_counter() - t1, "solver": plan.solver, "regions": len(plan.regions),
+                "offloaded": len(plan.offloaded), "offloaded_bytes": plan.offloaded_bytes,
+                "exposed_copy_s": info.get("exposed_copy_s", 0.0), "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "peak_bytes": peak, "fits": peak <= budget, "grads_bitwise": bitwise, "max_abs_grad_diff": diff,
+                "predicted_step_s": plan.predicted_step_s}))
+            log(f"offload: {label} @ {fraction}: {peak / 1e6:.0f} MB measured, {plan.predicted_peak_bytes / 1e6:.0f} "
+                f"predicted, {len(plan.offloaded)} offloaded")
+    timers += [t for t, _ in rows if t is not None]
+    race(timers, inputs, s["rounds"], device)
+    emit({"kind": "race", "rounds": s["rounds"], "eager_ms": eager.median, "medians_ms": {t.name: t.median for t in timers}})
+    for timer, row in rows:
+        if timer is not None:
+            row.update(step_ms=timer.median, overhead=timer.median / eager.median - 1,
+                       predicted_step_ms=row["predicted_step_s"] * 1e3)
+        emit(row)
+
+
 def _where(limit: int) -> list[str]:
     """The last lines of the traceback being handled, with file paths cut to the package's own."""
     lines = traceback.format_exc().splitlines()[-limit:]
@@ -631,6 +717,24 @@ def markdown(results: dict) -> str:
                 + (f"ours {_mb(r['ours_peak_bytes'])} MB ({r['lowering']} lowering, planned in {r['plan_s']:.0f} s), "
                    f"step {r['ratio']:.3f}x compile@0.5's (medians {r['medians_ms']})." if r.get("planned") and "ratio" in r
                    else f"ours: {r.get('error', 'not raced')}.")]
+    off = secs.get("offload", {}).get("rows", [])
+    setup = next((r for r in off if r.get("kind") == "setup"), None)
+    if setup:
+        out += ["", "## Offload against recompute-only, at fractions of per-layer checkpointing's peak", "",
+                f"Llama {setup['shape']}; per-layer peak {_mb(setup['per_layer_peak_bytes'])} MB; host copies "
+                f"{setup['d2h_bytes_per_s'] / 1e9:.1f} GB/s down, {setup['h2d_bytes_per_s'] / 1e9:.1f} GB/s up "
+                f"({setup['bandwidth_source']}). Step: median, CUDA events, interleaved.", ""]
+        out += [f"transformers offload: {r.get('missing') or _mb(r.get('peak_bytes')) + ' MB'}"
+                for r in off if r.get("kind") == "contender"] + [""]
+        out += ["| budget | plan | peak MB | predicted MB | fits | offloaded | step ms | predicted ms | grads bitwise |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in [r for r in off if r.get("kind") == "point" and "plan" in r]:
+            if "infeasible" in r:
+                out.append(f"| {r['fraction']}x | {r['plan']} | {r['infeasible']} | | | | | | |")
+                continue
+            out.append(f"| {r['fraction']}x | {r['plan']} | {_mb(r['peak_bytes'])} | {_mb(r['predicted_peak_bytes'])} "
+                       f"| {'yes' if r['fits'] else 'NO'} | {r['offloaded']} ({_mb(r['offloaded_bytes'])} MB) "
+                       f"| {r.get('step_ms', 0):.1f} | {r.get('predicted_step_ms', 0):.1f} | {'yes' if r['grads_bitwise'] else 'no'} |")
     errors = [(n, r) for n, sec in secs.items() for r in sec.get("rows", []) if "section_error" in r]
     if errors:
         out += ["", "## Errors", ""] + [f"- {n}: {r['section_error']}" for n, r in errors]

@@ -56,7 +56,7 @@ def optimize(
     safety_margin: float = 0.02, own_checkpointing: str = "replace", on_larger_shape: str = "error",
     partial: bool = True, compile: bool = False, lowering: str = "best", check_step: bool = True, exact: bool = True,
     autotune: bool | int | None = None, progress: bool = False, exact_check: bool | None = None,
-    outputs: str = "all",
+    outputs: str = "all", host_budget_gb: float | None = None, offload_bandwidth: tuple[float, float] | None = None,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
@@ -71,7 +71,8 @@ def optimize(
     `Budget` (budget_gb, budget_bytes, activation_budget, safety_margin), `SolveConfig` (solver,
     solver_options, own_checkpointing), `PlanRequest` (on_larger_shape, autotune), `Setup` (device,
     optimizer, capture_method, profile_config, partial, outputs), `ExactnessConfig` (exact, check_step),
-    `DistributedConfig` (world_size, sharding) and `CompileConfig` (compile, lowering).
+    `DistributedConfig` (world_size, sharding), `CompileConfig` (compile, lowering) and `OffloadConfig`
+    (host_budget_gb; offload_bandwidth, for simulation and testing).
     `exact_check` is check_step's former name, kept as an alias. progress=True shows each stage on stderr.
     outputs="loss": plan.module returns the model's output with `loss` alone set (its logits and every other
     field None), so the logits are not kept for the backward; refused when the model computes no loss.
@@ -85,7 +86,8 @@ def optimize(
     setup = Setup.of(
         device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
         partial=partial, exact=exact, check_step=check_step, world_size=world_size, sharding=sharding,
-        compile=compile, lowering=lowering, outputs=outputs,
+        compile=compile, lowering=lowering, outputs=outputs, host_budget_gb=host_budget_gb,
+        offload_bandwidth=offload_bandwidth,
     )
     request = PlanRequest.of(
         budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
@@ -191,10 +193,11 @@ class Planner(BasePlanner):
         shown = f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)"
         with stage("solve", f"solver {request.solve.solver}, budget {shown}"):
             solution, notes = solve_budget(p, budget, request)
-        if p.check and (solution.regions or p.chunks):
+        if p.check and (solution.regions or solution.offloaded or p.chunks):
             with stage("check", "one step of the plan against the model's own"):
                 solution, notes = checked(p, solution, notes, budget, request)
-        if steps and budget is not None and solution.regions and not keep and p.real:
+        offloads = bool(solution.offloaded)
+        if steps and budget is not None and (solution.regions or offloads) and not keep and p.real:
             with stage("autotune", f"the best plans that fit, timed on the device, at most {steps} steps"):
                 solution, tuned = autotuned(p, solution, budget, request, steps)
             notes = notes + tuned

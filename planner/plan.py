@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .errors import CaptureError, InputError, PlanFileError, PlanMismatchError
+from .lower.offload import OffloadTarget
 from .plan_schema import check_plan, read_plan_file, write_file
 from .plan_summary import autotune_rows
 
@@ -140,6 +141,17 @@ class Plan:
     """The part of predicted_recompute_s that is checkpoint-call and selective-policy cost (seconds)."""
     graph_overhead_s: float = 0.0
     """The captured graph's own extra time per step against the eager model (seconds)."""
+    offloaded: tuple[OffloadTarget, ...] = ()
+    """Activations copied to host memory in the forward and fetched back for the backward (lower/offload.py),
+    each a node output; `stats["offload"]` has the copy bandwidths and the predicted exposed copy time."""
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(o.nbytes for o in self.offloaded)
+
+    def offloaded_storages(self) -> list[int]:
+        """Storage indices (of the Problem) the plan offloads."""
+        return [o.storage for o in self.offloaded]
 
     @property
     def predicted_overhead(self) -> float:
@@ -208,6 +220,11 @@ class Plan:
                     f"{self.graph_overhead_s * 1e3:.1f} ms" + (" (FLOP estimate)" if self.time_source == "flops" else ""),
                 )
             )
+        if self.offloaded:
+            info = self.stats.get("offload") if isinstance(self.stats.get("offload"), dict) else {}
+            exposed = info.get("exposed_copy_s")
+            rows.append(("offloaded to host", f"{len(self.offloaded)} activations, {_fmt_bytes(self.offloaded_bytes)}"
+                         + (f"; exposed copy time {exposed * 1e3:.1f} ms predicted" if exposed is not None else "")))
         rows += autotune_rows(self.stats)  # autotune's candidates, predicted and measured
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -246,6 +263,7 @@ class Plan:
             "baseline_measured_peak_bytes": self.baseline_measured_peak_bytes,
             "notes": list(self.notes),
             "stats": _jsonable(self.stats),
+            **({"offloaded": [o.to_dict() for o in self.offloaded]} if self.offloaded else {}),
             "regions": [
                 {
                     "start": r.start,
@@ -322,6 +340,8 @@ class Plan:
                 eager_step_s=float(data.get("eager_step_s", 0.0)),
                 call_overhead_s=float(data.get("call_overhead_s", 0.0)),
                 graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
+                offloaded=tuple(OffloadTarget(int(o["storage"]), str(o["node"]), int(o["output"]), int(o["bytes"]))
+                                for o in data.get("offloaded", ())),  # absent in files before offload
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanFileError(f"{source}: corrupt plan file, field {e} missing or malformed") from None
@@ -361,7 +381,7 @@ class Plan:
             from .capture.trace import flatten_for_graph
 
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
-        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
+        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(), offload=self.offloaded)
         if loaded:
             try:
                 self._check_loaded_step(model, module, cap, check_step)
@@ -441,6 +461,10 @@ class Plan:
             for i, name in zip(r.saved_positions, r.saved_ops):
                 if i >= len(nodes) or nodes[i].name != name:
                     raise PlanMismatchError(f"plan saved op {name} does not match this model's graph")
+        names = {n.name for n in nodes}
+        for o in self.offloaded:
+            if o.node not in names:
+                raise PlanMismatchError(f"plan offloaded node {o.node} does not match this model's graph")
         return cap
 
     def _as_planned(self, cap: Any) -> tuple[Any, str]:
@@ -473,8 +497,9 @@ class Plan:
         from .distributed import shard_problem
         from .model_state import ModelState
         from .profile.profiler import ProfileConfig, profile
+        from .solvers.plans import normalize_regions
         from .solvers.problem import ProblemError
-        from .solvers.simulate import normalize_regions, simulate
+        from .solvers.simulate import simulate
 
         with ModelState(model).preserved():
             # profiled as the plan was: a stage at a time (bounded memory) or the step whole; a plan made on
@@ -493,11 +518,20 @@ class Plan:
         nodes = cost.nodes
         own, _ = own_spans(cap.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes],
                            [n.recomputable for n in nodes])
+        sources = problem.meta.get("storage_outputs") or ()
+        for o in self.offloaded:  # each offloaded storage is the same node output on this model
+            if not 0 <= o.storage < len(sources) or tuple(sources[o.storage]) != (o.node, o.output):
+                raise PlanMismatchError(f"plan offloaded[{o.storage}]: {o.node} output {o.output} is not that storage "
+                                        "of this model's graph; re-plan with optimize() or `ckpt-planner plan`")
+        if self.offloaded:  # priced at the bandwidths it was planned at (they change no byte figure)
+            info = self.stats.get("offload") if isinstance(self.stats.get("offload"), dict) else {}
+            problem = _with_bandwidth(problem, info)
         try:
             spans = normalize_regions(problem, self.spans())
             plain = simulate(problem, ()).peak_bytes
             given = simulate(problem, _nested(problem, own)).peak_bytes if own else plain
-            planned = simulate(problem, spans, saved=self.saved_indices()).peak_bytes
+            offloaded = {"offloaded": tuple(self.offloaded_storages())} if self.offloaded else {}
+            planned = simulate(problem, spans, saved=self.saved_indices(), **offloaded).peak_bytes
         except ProblemError as e:
             raise PlanMismatchError(f"plan regions do not fit this model's graph: {e}") from None
         figures = [("baseline_peak_bytes", self.baseline_peak_bytes, given),
@@ -580,7 +614,8 @@ class Plan:
                 from .lower.rewrite import rewrite
                 from .verification import check_measured
 
-                exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices())
+                exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
+                                offload=self.offloaded)
                 try:  # the figures are those of the plan's own regions (plan.module), measured again
                     check_measured(self, model, exact, cap.args, cap.kwargs)
                 except BaseException:
@@ -660,8 +695,8 @@ def _fingerprint_of(cap: Any) -> str:
 def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """The model's own checkpoint spans that nest properly, in order, as the planner takes them for the
     model as given (choose/regions.py `laminar`): a span crossing an earlier one is left out."""
+    from .solvers.plans import normalize_regions
     from .solvers.problem import ProblemError
-    from .solvers.simulate import normalize_regions
 
     kept: list[tuple[int, int]] = []
     for span in spans:
@@ -670,6 +705,16 @@ def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int]
         except ProblemError:
             continue
     return tuple(kept)
+
+
+def _with_bandwidth(problem: Any, info: dict[str, Any]) -> Any:
+    """`problem` with the copy bandwidths and host budget a plan's stats record (where the Problem has them)."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(problem)}
+    values = {k: info[k] for k in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes")
+              if k in known and isinstance(info.get(k), (int, float))}
+    return dataclasses.replace(problem, **values) if values else problem
 
 
 def _several_ranks() -> bool:

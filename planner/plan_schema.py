@@ -189,6 +189,17 @@ def _chunk(v: Any, path: str) -> None:
         raise _Bad(f"{path}.nodes", "an empty list (a chunked region runs at least one node)")
 
 
+_OFFLOAD = _obj({"storage": _int(0, MAX_NODES), "node": _NAME, "output": _int(0, 1 << 20), "bytes": _BYTES})
+
+
+def _offloaded(v: Any, path: str) -> None:
+    """One offloaded activation (lower/offload.py OffloadTarget): every field present."""
+    _OFFLOAD(v, path)
+    for key in ("storage", "node", "output", "bytes"):
+        if key not in v:
+            raise _Bad(f"{path}.{key}", "missing")
+
+
 _STATS = _obj({
     "chunks": _list(_chunk),
     "sharding": _obj({"world_size": _int(1, 1 << 24), "sharding": _str(100, null=True)}),
@@ -204,6 +215,8 @@ _STATS = _obj({
     "curves": _obj({"solvers": _obj({}, values=_list(_POINT)), "baseline": _POINT, "plan": _POINT,
                     "forward_s": _SECONDS}),
     "cli": _obj({"model": _str(), "model_kind": _str(100), "seed": _int(0, (1 << 64) - 1)}),
+    "offload": _obj({"d2h_bytes_per_s": _num(0, 1e18), "h2d_bytes_per_s": _num(0, 1e18), "host_budget_bytes": _BYTES,
+                     "exposed_copy_s": _SECONDS, "source": _str(100)}),
 })
 _FIELDS: dict[str, Check] = {
     "model": _str(10_000), "fingerprint": _str(1_000), "capture_method": _str(100), "num_nodes": _int(0, MAX_NODES),
@@ -215,6 +228,7 @@ _FIELDS: dict[str, Check] = {
     "baseline_breakdown": _obj({"optimizer": _num(0, MAX_BYTES)}, values=_num(-MAX_BYTES, MAX_BYTES)),
     "measured_peak_bytes": _int(0, MAX_BYTES, null=True), "baseline_measured_peak_bytes": _int(0, MAX_BYTES, null=True),
     "notes": _NAMES, "stats": _STATS, "regions": _list(_REGION),
+    "offloaded": _list(_offloaded),  # optional: plans before offload have none
 }
 _REQUIRED = ("fingerprint", "capture_method", "solver", "budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes",
              "predicted_recompute_s", "regions")

@@ -10,6 +10,7 @@ Torch-free: a setting is checked here, where it is made, not by the stage that r
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 from .errors import InputError
 
 __all__ = [
-    "Budget", "SolveConfig", "ExactnessConfig", "DistributedConfig", "CompileConfig", "Setup", "PlanRequest",
+    "Budget", "SolveConfig", "ExactnessConfig", "DistributedConfig", "CompileConfig", "OffloadConfig", "Setup",
+    "PlanRequest",
     "ON_LARGER_SHAPE", "OWN_CHECKPOINTING", "LOWERINGS", "SHARDING", "OUTPUTS",
 ]
 
@@ -161,6 +163,41 @@ class CompileConfig:
             raise InputError(f"lowering: {self.lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
 
 
+def _number(v: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Offload: a kept activation copied to pinned host memory in the forward and fetched back for its
+    backward, where the device's copy bandwidth makes that cheaper than recomputing it."""
+
+    host_budget_gb: float | None = None
+    """Pinned host memory (1e9 bytes) offloaded activations may hold at once. None: half of the host
+    memory free when the model is profiled; 0: never offload."""
+    bandwidth: tuple[float, float] | None = None
+    """(device-to-host, host-to-device) copy bandwidth in bytes/s, for simulation and testing: used instead
+    of the bandwidth measured on a CUDA device, and on the CPU, where no copy frees device memory (0 there
+    otherwise, so the solvers never offload). None: measured (profile/copy_bandwidth.py)."""
+
+    def __post_init__(self) -> None:
+        if self.host_budget_gb is not None and not (_number(self.host_budget_gb) and self.host_budget_gb >= 0):
+            raise InputError(f"host_budget_gb: {self.host_budget_gb!r} must be a finite number of GB >= 0 (or None)")
+        if self.bandwidth is not None:
+            if not (isinstance(self.bandwidth, (tuple, list)) and len(self.bandwidth) == 2
+                    and all(_number(b) and b >= 0 for b in self.bandwidth)):
+                raise InputError(f"offload_bandwidth: {self.bandwidth!r} must be (device-to-host, host-to-device) "
+                                 "bytes/s, two finite numbers >= 0")
+            object.__setattr__(self, "bandwidth", (float(self.bandwidth[0]), float(self.bandwidth[1])))
+
+    def host_budget_bytes(self, free_host_bytes: int) -> int:
+        """The host budget in bytes, given the host memory free now (bytes)."""
+        if self.host_budget_gb is not None:
+            return int(self.host_budget_gb * 1e9)
+        return max(0, int(free_host_bytes) // 2)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Setup:
     """What is fixed once a model is captured and profiled: one `Planner` serves many `PlanRequest`s."""
@@ -181,6 +218,8 @@ class Setup:
     """Per-rank budgets under DDP or FSDP."""
     compile: CompileConfig = CompileConfig()
     """The plan lowered into torch.compile."""
+    offload: OffloadConfig = OffloadConfig()
+    """Activations offloaded to host memory: the host budget and (for simulation) the copy bandwidth."""
     outputs: str = "all"
     """What the planned module returns. 'all': everything the model returns. 'loss': the model's output
     of the same type with `loss` alone set and every other field None (a model returning a 0-dim tensor:
@@ -203,13 +242,15 @@ class Setup:
     @classmethod
     def of(cls, *, device: Any = None, optimizer: Any = None, capture_method: str = "auto", profile_config: Any = None,
            partial: bool = True, exact: bool = True, check_step: bool = True, world_size: int = 1,
-           sharding: str | None = None, compile: bool = False, lowering: str = "best", outputs: str = "all") -> Setup:
+           sharding: str | None = None, compile: bool = False, lowering: str = "best", outputs: str = "all",
+           host_budget_gb: float | None = None, offload_bandwidth: tuple[float, float] | None = None) -> Setup:
         """From the keywords `optimize()` and `Planner()` take."""
         return cls(
             device=device, optimizer=optimizer, capture_method=capture_method, profile=profile_config, partial=partial,
             exactness=ExactnessConfig(exact=exact, check_step=check_step),
             distributed=DistributedConfig(world_size=world_size, sharding=sharding),
             compile=CompileConfig(enabled=compile, lowering=lowering), outputs=outputs,
+            offload=OffloadConfig(host_budget_gb=host_budget_gb, bandwidth=offload_bandwidth),
         )
 
 

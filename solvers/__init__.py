@@ -6,7 +6,7 @@
 
 # Importing a solver's module registers it (`registry.register`).
 from . import auto  # noqa: F401
-from .exact import bruteforce, dp, ilp  # noqa: F401
+from .exact import bruteforce, dp, ilp, ilp_offload  # noqa: F401
 from .heuristics import basic, greedy, selective, structured  # noqa: F401
 from .problem import Node, Problem, ProblemError, Solution, Storage
 from .registry import SOLVERS, InfeasibleBudgetError, UnknownSolverError, get_solver, register, solve

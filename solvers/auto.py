@@ -9,6 +9,12 @@ so the least predicted step time) among those within the budget wins (ties:
 the lower peak). When none fits, the lowest simulated peak is reported.
 When every MILP backend fails, the plans of the other solvers stand and
 `stats["ilp_fallback"]` says why the MILP is missing.
+
+Offloading: on a problem that can offload (`Problem.can_offload`: both copy bandwidths and a host
+budget), auto also runs `ilp_offload` (up to `ilp.MAX_NODES` nodes) and adds offloads
+(`offload.choose_offloads`) to the plan without regions and to the best recompute-only plan; the same
+rule picks among all, so the answer is never worse than the recompute-only one. Elsewhere nothing of
+this runs and the plans are those of a problem without offloading.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import logging
 import time
 from typing import Any
 
+from .exact.dp import DPSearch
 from .exact.ilp import MAX_NODES
+from .exact.ilp_offload import ilp_offload
 from .exact.milp_backend import ILPSolveError
+from .offload import choose_offloads, most_offloaded
 from .problem import Problem
 from .registry import SolverResult, get_solver, register
 from .simulate import simulate
@@ -108,8 +117,48 @@ def auto(
             break  # nothing beats no recompute
     if best is None:
         raise ILPSolveError("; ".join(failed.values()))  # the portfolio was the MILP alone
+    if problem.can_offload and not (best[0][0] is False and best[0][1] == 0):
+        for name, result in _offload_plans(problem, budget_bytes, best[2], time_limit, "ilp" in names):
+            sim = simulate(problem, result.regions, saved=result.saved, offloaded=result.offloaded)
+            fits = sim.peak_bytes <= budget_bytes and sim.host_bytes <= problem.host_budget_bytes
+            tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": sim.peak_bytes, "fits": fits,
+                           "offload_time": sim.offload_time}
+            low = min(low, sim.peak_bytes)
+            key = (not fits, sim.recompute_time if fits else sim.peak_bytes, sim.peak_bytes)
+            if key < best[0]:
+                best = (key, name, result)
     _, name, result = best
     stats: dict[str, Any] = {"chosen": name, "tried": tried, "min_peak_bytes": low}
     if "ilp" in failed:
         stats["ilp_fallback"] = failed["ilp"]
-    return SolverResult(regions=result.regions, saved=result.saved, stats=stats)
+    return SolverResult(regions=result.regions, saved=result.saved, offloaded=result.offloaded, stats=stats)
+
+
+SPLITS = (0.1, 0.25, 0.5)
+"""Where between the budget and the plain step's peak (fractions of the gap) `auto` also takes dp's
+recompute plan and offloads down to the budget: a plan that recomputes less and copies the rest."""
+
+
+def _offload_plans(problem: Problem, budget_bytes: int, best: SolverResult, time_limit: float | None, milp: bool):
+    """(name, result) of the offloading plans auto weighs against the recompute-only ones: offloads alone,
+    offloads added to the best recompute plan, and the budget split between them (dp's plan for a looser
+    budget, `SPLITS`, with the offloads that bring it down to this one); on small graphs `ilp_offload`,
+    which chooses both at once."""
+    bases = [("offload", SolverResult(regions=())), ("offload+best", best)]
+    top = simulate(problem, ()).peak_bytes
+    if top > budget_bytes:
+        search = DPSearch(problem)
+        for f in SPLITS:
+            looser = int(budget_bytes + f * (top - budget_bytes))
+            bases.append((f"offload+dp@{f:g}", search.solve(looser)))
+    for name, base in bases:
+        found = choose_offloads(problem, budget_bytes, base.regions, base.saved)
+        if found is not None and found[0]:
+            yield name, SolverResult(regions=base.regions, saved=base.saved, offloaded=found[0])
+        elif found is None:  # nothing fits: the most it can offload, for the smallest budget auto names
+            yield name, SolverResult(regions=base.regions, saved=base.saved, offloaded=most_offloaded(problem, base))
+    if milp and problem.n <= MAX_NODES:
+        try:
+            yield "ilp_offload", ilp_offload(problem, budget_bytes, time_limit=ilp_time_limit(problem, time_limit), gap=ILP_GAP)
+        except ILPSolveError as e:
+            logger.info("auto: ilp_offload failed: %s", e)

@@ -83,6 +83,9 @@ class Storage:
     """Nodes whose backward keeps it (autograd saved it for them), sorted."""
     is_output: bool = False
     """Part of the graph's output: alive for the whole step."""
+    copyable: bool = True
+    """A plan may offload it: it is one of its producer's outputs, where a copy can be started (False for a
+    buffer an op makes inside itself and hands autograd, such as a dropout mask or attention statistics)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,13 @@ class Problem:
     """Measured eager step time, forward and backward, no checkpointing (seconds; 0: unknown)."""
     graph_overhead_s: float = 0.0
     """Extra seconds per step of the captured graph against the eager model, measured."""
+    d2h_bytes_per_s: float = 0.0
+    """Measured copy bandwidth from the device to pinned host memory (bytes per second); 0: the device
+    cannot offload (the CPU), and no solver offloads."""
+    h2d_bytes_per_s: float = 0.0
+    """Measured copy bandwidth from pinned host memory back to the device (bytes per second); 0: no offload."""
+    host_budget_bytes: int = 0
+    """Pinned host bytes the offloaded tensors may hold at once; 0: none, no solver offloads."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +140,10 @@ class Problem:
             for k in st.saved_by:
                 if not st.producer <= k < n:
                     raise ProblemError(f"storages[{s}].saved_by: {k} is not a node at or after the producer")
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf") and name == "host_budget_bytes":
+                raise ProblemError(f"{name}: {value} is not a non-negative number")
 
     @property
     def n(self) -> int:
@@ -157,6 +171,11 @@ class Problem:
         eager = self.step_time_s if self.step_time_s > 0 else 3.0 * self.total_time
         return eager + self.graph_overhead_s
 
+    @property
+    def can_offload(self) -> bool:
+        """Both copy directions have a bandwidth and the host has room: plans may offload kept tensors."""
+        return self.d2h_bytes_per_s > 0 and self.h2d_bytes_per_s > 0 and self.host_budget_bytes > 0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -168,6 +187,9 @@ class Problem:
             "saved_overhead_s": self.saved_overhead_s,
             "step_time_s": self.step_time_s,
             "graph_overhead_s": self.graph_overhead_s,
+            "d2h_bytes_per_s": self.d2h_bytes_per_s,
+            "h2d_bytes_per_s": self.h2d_bytes_per_s,
+            "host_budget_bytes": self.host_budget_bytes,
             "nodes": [asdict(node) for node in self.nodes],
             "storages": [asdict(st) for st in self.storages],
         }
@@ -190,6 +212,10 @@ class Problem:
             saved_overhead_s=float(data.get("saved_overhead_s", 0.0)),
             step_time_s=float(data.get("step_time_s", 0.0)),
             graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
+            # absent from problems saved before offloading existed: they cannot offload
+            d2h_bytes_per_s=float(data.get("d2h_bytes_per_s", 0.0)),
+            h2d_bytes_per_s=float(data.get("h2d_bytes_per_s", 0.0)),
+            host_budget_bytes=int(data.get("host_budget_bytes", 0)),
         )
 
     def fingerprint(self) -> str:
@@ -313,18 +339,24 @@ class Solution:
     `regions` are inclusive (start, end) node-index ranges, sorted by start and
     then by decreasing length, each either disjoint from or nested inside the
     ones before it. `saved` are nodes inside regions whose outputs are kept
-    (a selective region: its other ops are recomputed), ascending.
+    (a selective region: its other ops are recomputed), ascending. `offloaded`
+    are storages the plan keeps from the forward to the backward that it copies
+    to pinned host memory in between (`solvers.offload`), ascending.
     """
 
     regions: tuple[tuple[int, int], ...]
     solver: str
     peak_bytes: int
     recompute_time: float
-    """Predicted extra seconds per step: forward work re-run plus checkpoint-call and policy costs."""
+    """Predicted extra seconds per step: forward work re-run plus checkpoint-call and policy costs, plus
+    the copy time offloads do not hide behind compute."""
     budget_bytes: int | None = None
     solve_time: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     saved: tuple[int, ...] = ()
+    offloaded: tuple[int, ...] = ()
+    """Indices into `problem.storages` that the plan offloads, ascending; each one offloadable under the
+    plan (`offload.offloadable`), which `simulate` checks (ProblemError naming `offloaded`)."""
 
     @property
     def feasible(self) -> bool:

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .plans import normalize_regions
 from .problem import Problem, Solution
-from .simulate import normalize_regions, simulate
+from .simulate import simulate
 
 __all__ = [
     "SolverResult",
@@ -30,6 +31,8 @@ class SolverResult:
     stats: dict[str, Any] = field(default_factory=dict)
     saved: tuple[int, ...] = ()
     """Nodes inside (non-nested) regions whose outputs a selective policy keeps."""
+    offloaded: tuple[int, ...] = ()
+    """Storages the plan copies to pinned host memory between forward and backward (`offload`)."""
 
 
 SolverFn = Callable[..., SolverResult]
@@ -107,7 +110,9 @@ def solve(problem: Problem, budget_bytes: int | None = None, solver: str = "unif
     result = fn(problem, budget_bytes, **options)
     solve_time = time.perf_counter() - t0
     regions = normalize_regions(problem, result.regions)
-    sim = simulate(problem, regions, saved=result.saved)
+    sim = simulate(problem, regions, saved=result.saved, offloaded=result.offloaded)
+    if sim.host_bytes > problem.host_budget_bytes:
+        raise ValueError(f"solver {solver!r} offloads {sim.host_bytes} bytes, over host_budget_bytes")
     if budget_bytes is not None and sim.peak_bytes > budget_bytes:
         smallest = int(result.stats.get("min_peak_bytes", sim.peak_bytes))
         raise InfeasibleBudgetError(budget_bytes, max(smallest, problem.fixed_bytes), solver, problem.fixed_bytes)
@@ -118,6 +123,10 @@ def solve(problem: Problem, budget_bytes: int | None = None, solver: str = "unif
         recompute_time=sim.recompute_time,
         budget_bytes=budget_bytes,
         solve_time=solve_time,
-        stats={**result.stats, "breakdown": sim.breakdown, "peak_phase": sim.peak_phase, "call_time": sim.call_time},
+        stats={
+            **result.stats, "breakdown": sim.breakdown, "peak_phase": sim.peak_phase, "call_time": sim.call_time,
+            **({"offload_time": sim.offload_time, "host_bytes": sim.host_bytes} if result.offloaded else {}),
+        },
         saved=tuple(sorted(result.saved)),
+        offloaded=tuple(sorted(result.offloaded)),
     )

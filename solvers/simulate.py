@@ -21,6 +21,10 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   region's recompute has used them and their last saving node's backward
   is done; the recompute takes them from the cache instead of re-running
   the node, and re-runs every other node up to the region's stop.
+* Offloaded storages (`offloaded`, see `solvers.offload`): a kept storage copied to pinned host
+  memory leaves the device after its last forward reader once its copy is done, comes back at its
+  prefetch and is freed at its usual release step; the copy time no compute hides is added to the
+  recompute time (`offload_time`).
 * Each checkpoint call costs `problem.region_overhead_s` per step, every
   op of a kept node (the only ops that run under a selective policy; one
   more for the policy's mode) costs `problem.op_overhead_s` in the forward
@@ -47,9 +51,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import Problem, ProblemError
+from .copies import normalize_offloaded, timing
+from .plans import normalize_regions, normalize_saved, region_parents
+from .problem import Problem
 
-__all__ = ["SimResult", "simulate", "replay", "normalize_regions", "normalize_saved", "region_parents"]
+__all__ = ["SimResult", "simulate", "replay"]
 
 CATEGORIES = (
     "parameters",
@@ -82,54 +88,10 @@ class SimResult:
     """The part of recompute_time that is checkpoint-call and policy-dispatch cost. # seconds"""
     hook_time: float = 0.0
     """The part of recompute_time that is the regions' saved-tensor hooks. # seconds"""
-
-
-def normalize_regions(problem: Problem, regions) -> tuple[tuple[int, int], ...]:
-    """Sort regions, check bounds, recomputability and proper nesting."""
-    out = sorted({(int(s), int(e)) for s, e in regions}, key=lambda r: (r[0], -r[1]))
-    stack: list[tuple[int, int]] = []
-    n = problem.n
-    unrecomputable = problem.arrays.unrecomputable if out else []
-    for s, e in out:
-        if not 0 <= s <= e < n:
-            raise ProblemError(f"region ({s}, {e}) is outside the {n} nodes")
-        if unrecomputable[e + 1] != unrecomputable[s]:
-            i = next(i for i in range(s, e + 1) if not problem.nodes[i].recomputable)
-            raise ProblemError(f"region ({s}, {e}) contains node {problem.nodes[i].name!r}, which must not be recomputed")
-        while stack and stack[-1][1] < s:
-            stack.pop()
-        if stack and e > stack[-1][1]:
-            raise ProblemError(f"regions {stack[-1]} and ({s}, {e}) overlap without nesting")
-        stack.append((s, e))
-    return tuple(out)
-
-
-def normalize_saved(problem: Problem, regions: tuple[tuple[int, int], ...], saved) -> tuple[int, ...]:
-    """Sorted saved nodes; each must be saveable and inside a region that neither nests nor is nested."""
-    out = tuple(sorted({int(i) for i in saved}))
-    if not out:
-        return out
-    parents = region_parents(regions)
-    nested = {p for p in parents if p >= 0} | {r for r, p in enumerate(parents) if p >= 0}
-    n, nodes = problem.n, problem.nodes
-    inner = np.full(n, -1, dtype=np.int64)  # innermost region of each node: regions come outer first
-    for r, (s, e) in enumerate(regions):
-        inner[s : e + 1] = r
-    kept = np.array(out, dtype=np.int64)
-    if kept[0] >= 0 and kept[-1] < n:
-        where = inner[kept]
-        flat = np.ones(len(regions), dtype=bool)
-        flat[list(nested)] = False
-        if (where >= 0).all() and flat[where].all() and problem.arrays.saveable[kept].all():
-            return out
-    for i in out:  # name the first node that breaks a rule
-        if not 0 <= i < n or inner[i] < 0:
-            raise ProblemError(f"saved: node {i} is not inside a region")
-        if inner[i] in nested:
-            raise ProblemError(f"saved: node {i} is in a nested region; selective regions do not nest")
-        if not nodes[i].saveable:
-            raise ProblemError(f"saved: node {nodes[i].name!r} may not be kept by a selective region")
-    return out
+    offload_time: float = 0.0
+    """The part of recompute_time that is offload copies no compute hides (`offload.timing`). # seconds"""
+    host_bytes: int = 0
+    """Pinned host bytes the offloaded storages hold at the forward's end (all of them at once)."""
 
 
 def call_time(problem: Problem, regions: tuple[tuple[int, int], ...], saved: tuple[int, ...], stops: list[int]) -> float:
@@ -145,32 +107,36 @@ def call_time(problem: Problem, regions: tuple[tuple[int, int], ...], saved: tup
     return total
 
 
-def region_parents(regions: tuple[tuple[int, int], ...]) -> list[int]:
-    """parents[r]: index of the innermost region containing region r, or -1."""
-    parents, stack = [], []
-    for r, (s, _e) in enumerate(regions):
-        while stack and regions[stack[-1]][1] < s:
-            stack.pop()
-        parents.append(stack[-1] if stack else -1)
-        stack.append(r)
-    return parents
-
-
-def simulate(problem: Problem, regions=(), *, saved=(), timeline: bool = False) -> SimResult:
+def simulate(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bool = False) -> SimResult:
     """Predict the peak memory and the recompute time of one training step.
 
-    The figures are `replay`'s; with `timeline`, the replay runs and records the bytes after every event."""
+    The figures are `replay`'s; with `timeline`, the replay runs and records the bytes after every event.
+    `offloaded`: storages the plan copies to pinned host memory (`offload.offloadable`)."""
     regions = normalize_regions(problem, regions)
     saved = normalize_saved(problem, regions, saved)
     if timeline or not problem.n or not problem.arrays.nonnegative:
-        return replay(problem, regions, saved=saved, timeline=timeline)
-    return _layout(problem, regions).figures(problem, saved)
+        return replay(problem, regions, saved=saved, offloaded=offloaded, timeline=timeline)
+    if not offloaded:
+        return _layout(problem, regions).figures(problem, saved)
+    return _layout(problem, regions).figures(problem, saved, _offload_timing(problem, regions, saved, offloaded))
 
 
-def replay(problem: Problem, regions=(), *, saved=(), timeline: bool = False) -> SimResult:
+def _offload_timing(problem: Problem, regions, saved, offloaded):
+    """The checked offloads' copy schedule (`offload.timing`), None when there are none."""
+
+    offloaded, uses = normalize_offloaded(problem, regions, saved, offloaded)
+    return timing(problem, regions, saved, uses) if offloaded else None
+
+
+def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bool = False) -> SimResult:
     """`simulate`, event by event: the reference the interval sweep is checked against."""
     regions = normalize_regions(problem, regions)
     saved = normalize_saved(problem, regions, saved)
+    off = _offload_timing(problem, regions, saved, offloaded) if offloaded else None
+    fetch_at: dict[int, list[int]] = {}
+    if off is not None:
+        for t, q in off.fetch.items():
+            fetch_at.setdefault(q, []).append(t)
     is_saved = [False] * problem.n
     for i in saved:
         is_saved[i] = True
@@ -256,7 +222,9 @@ def replay(problem: Problem, regions=(), *, saved=(), timeline: bool = False) ->
                     keep = cached_release[t]
                 if ctx == -1 and st.is_output:
                     continue  # alive for the whole step
-                if keep is not None:
+                if ctx == -1 and off is not None and t in off.free_after:
+                    free_at[off.free_after[t] - lo].append(st.nbytes)  # back at its prefetch (below)
+                elif keep is not None:
                     release_at[keep].append((st.nbytes, category))
                 else:
                     free_at[min(st.last_use, hi) - lo].append(st.nbytes)
@@ -307,6 +275,9 @@ def replay(problem: Problem, regions=(), *, saved=(), timeline: bool = False) ->
     hook = problem.saved_overhead_s
     grad_live = [False] * n
     for k in range(n - 1, -1, -1):
+        for t in fetch_at.get(k, ()):  # prefetched at the start of the step, before its recomputes
+            live["activations"] += storages[t].nbytes
+            release_at[off.release[t]].append((storages[t].nbytes, "activations"))
         for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
             s = regions[r][0]
             hooks = hook * sum(nodes[i].saved_tensors for i in range(s, stops[r] + 1))
@@ -333,11 +304,14 @@ def replay(problem: Problem, regions=(), *, saved=(), timeline: bool = False) ->
             observe("backward", k)
 
     calls = call_time(problem, regions, saved, stops)
+    copies = off.exposed_s if off is not None else 0.0
     return SimResult(
         peak_bytes=max(best["bytes"], sum(fixed.values())),
-        recompute_time=recompute_time + calls,
+        recompute_time=recompute_time + calls + copies,
         call_time=calls,
         hook_time=hook_time,
+        offload_time=copies,
+        host_bytes=sum(storages[t].nbytes for t in off.fetch) if off is not None else 0,
         peak_phase=best["phase"],
         peak_node=best["node"],
         breakdown=best["breakdown"],
@@ -440,6 +414,7 @@ class _Layout:
         per_step = np.zeros(n, dtype=i64)
         np.add.at(per_step, p_k, p_len)
         bslot = self.bslot = 2 * n - 1 - np.arange(n, dtype=i64) + np.cumsum(per_step[::-1])[::-1]  # step k's slot
+        self.group_start = bslot - per_step  # slot of step k's first recompute node (its own when none)
         before = np.cumsum(p_len) - p_len
         first = np.searchsorted(-p_k, -p_k)  # the first pass of the same step
         p_base = self.p_base = bslot[p_k] - per_step[p_k] + before - before[first]  # slot of a pass's first node
@@ -494,11 +469,13 @@ class _Layout:
         temps[_ranges(p_base, p_len)] = a.temp[_ranges(p_s, p_len)]
         self.live = np.cumsum(self.delta[:T]) + temps  # bytes at each slot with no node kept
 
-    def figures(self, problem: Problem, saved: tuple[int, ...]) -> SimResult:
-        """The simulator's figures for this region plan of `problem` with `saved` (normalised) kept."""
+    def figures(self, problem: Problem, saved: tuple[int, ...], off=None) -> SimResult:
+        """The simulator's figures for this region plan of `problem` with `saved` (normalised) kept and the
+        offloads of `off` (`offload.OffloadTiming`, None: none)."""
         a = problem.arrays
         by_cat = np.zeros(4, dtype=np.int64)
         live = self.live
+        delta = self.delta
         if saved:
             # A kept node's outputs stay from the forward until its region's recompute has taken them and
             # their savers there are done, or (not taken) until the region's backward; the recompute does
@@ -520,16 +497,28 @@ class _Layout:
             plain_end = self.forward_end[t]
             rerun = self.rerun_start[t] >= 0
             spared_start, spared_end, spared = self.rerun_start[t][rerun], self.rerun_end[t][rerun], nbytes[rerun]
-            delta = self.delta.copy()
+            delta = delta.copy()
             np.add.at(delta, plain_end, nbytes)  # [p, plain_end) becomes [p, cached_end)
             np.add.at(delta, cached_end, -nbytes)
             np.add.at(delta, spared_start, -spared)
             np.add.at(delta, spared_end, spared)
             live = np.cumsum(delta[: self.T]) + self.temps
+        if off is not None:
+            # An offloaded storage is off the device from after its forward free to its prefetch.
+            o_t = np.array(sorted(off.fetch), dtype=np.int64)
+            o_gone = np.array([off.free_after[t] for t in o_t.tolist()], dtype=np.int64) + 1
+            o_back = self.group_start[np.array([off.fetch[t] for t in o_t.tolist()], dtype=np.int64)]
+            o_bytes = a.nbytes[o_t]
+            delta = delta.copy()
+            np.add.at(delta, o_gone, -o_bytes)
+            np.add.at(delta, o_back, o_bytes)
+            live = np.cumsum(delta[: self.T]) + self.temps
         at = int(np.argmax(live))  # the first of the highest: the replay keeps a peak until one exceeds it
         if saved:
             by_cat[0] = int(nbytes[(p <= at) & (at < cached_end)].sum() - nbytes[(p <= at) & (at < plain_end)].sum())
             by_cat[1] = -int(spared[(spared_start <= at) & (at < spared_end)].sum())
+        if off is not None:
+            by_cat[0] -= int(o_bytes[(o_gone <= at) & (at < o_back)].sum())
         covering = (self.starts <= at) & (self.ends > at)
         by_cat += [int(self.sizes[covering & (self.cats == c)].sum()) for c in range(4)]
         breakdown = {
@@ -561,11 +550,14 @@ class _Layout:
             hook_time += hooks
             seconds += hooks + sum(times[s : e + 1])
         calls = call_time(problem, self.regions, saved, self.stops)
+        copies = off.exposed_s if off is not None else 0.0
         return SimResult(
             peak_bytes=max(int(live[at]) + problem.fixed_bytes, problem.fixed_bytes),
-            recompute_time=seconds + calls,
+            recompute_time=seconds + calls + copies,
             call_time=calls,
             hook_time=hook_time,
+            offload_time=copies,
+            host_bytes=int(o_bytes.sum()) if off is not None else 0,
             peak_phase=phase,
             peak_node=node,
             breakdown=breakdown,

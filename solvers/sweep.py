@@ -15,9 +15,10 @@ from typing import Any
 
 from .exact.dp import DPConfig, DPSearch
 from .heuristics.greedy import GreedySearch
+from .plans import normalize_regions
 from .problem import Problem, Solution
 from .registry import SolverResult, get_solver
-from .simulate import normalize_regions, simulate
+from .simulate import simulate
 
 logger = logging.getLogger(__name__)
 

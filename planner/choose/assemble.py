@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..capture.trace import flatten_for_graph
+from ..lower.offload import targets_of
 from ..plan import Plan, Region, graph_fingerprint
 from ..profile.graph import CostGraph
 from ..settings import PlanRequest
@@ -24,7 +25,8 @@ def plan_record(p: Profiled, solution: Solution, notes: list[str], request: Plan
         notes = notes + [f"chunked region ({c.chunks} chunks): {c.why}" for c in p.chunks]
     plan = plan_from_solution(
         p.cost, p.problem, solution, p.capture,
-        notes=notes + p.capture_notes + p.dist_notes + own_notes(p, request.solve.own_checkpointing) + list(extra_notes),
+        notes=notes + p.capture_notes + p.dist_notes + p.offload_notes + own_notes(p, request.solve.own_checkpointing)
+        + list(extra_notes),
         solver_options=dict(request.solve.options), baseline_regions=p.own_regions,
     )
     if p.own_regions or p.capture.builtin_checkpointing:
@@ -87,7 +89,11 @@ def plan_from_solution(
     """Wrap a solver's Solution as a Plan (no module yet); the baseline runs `baseline_regions`
     (the model's own checkpointing: the model as given)."""
     base = simulate(problem, tuple(baseline_regions))
-    sim = simulate(problem, solution.regions, saved=solution.saved)
+    # offloads the graph can lower (node outputs); one made inside an op stays on the device, and the
+    # figures say so
+    offload = targets_of(problem, solution.offloaded)
+    extra = {"offloaded": tuple(o.storage for o in offload)} if offload else {}
+    sim = simulate(problem, solution.regions, saved=solution.saved, **extra)
     saved = cost.saved_bytes
     kept = set(solution.saved)
     depth_of: list[int] = []
@@ -135,7 +141,10 @@ def plan_from_solution(
         breakdown=dict(sim.breakdown),
         baseline_breakdown=dict(base.breakdown),
         notes=tuple(notes) + (("captured with torch.export",) if cap.fallback_reason else ()),
-        stats={k: v for k, v in solution.stats.items() if k != "breakdown"},
+        stats={k: v for k, v in solution.stats.items() if k != "breakdown"} | ({"offload": {
+            "d2h_bytes_per_s": problem.d2h_bytes_per_s, "h2d_bytes_per_s": problem.h2d_bytes_per_s,
+            "host_budget_bytes": problem.host_budget_bytes, "exposed_copy_s": sim.offload_time}} if offload else {}),
+        offloaded=offload,
         time_source=cost.time_source,
         num_nodes=len(cost.nodes),
         eager_step_s=problem.base_step_s - problem.graph_overhead_s,

@@ -37,6 +37,7 @@ import torch
 
 from ..errors import InputError
 from ..lower.apply import checkpointed_copy, whole_module_spans
+from ..lower.offload import targets_of
 from ..lower.rewrite import rewrite
 from ..model_state import ModelState
 from ..profile.loss import default_loss
@@ -44,9 +45,10 @@ from ..profile.memory import measure_step_peaks
 from ..profile.timing_store import TimingStore
 from ..settings import PlanRequest
 from ..solvers.heuristics.structured import structured_plans
+from ..solvers.plans import normalize_regions, normalize_saved
 from ..solvers.problem import Problem, ProblemError, Solution
 from ..solvers.registry import InfeasibleBudgetError, solve
-from ..solvers.simulate import normalize_regions, normalize_saved, simulate
+from ..solvers.simulate import simulate
 from ..verification import step_differences
 from .budget import inner_budget
 from .cost_refit import remember
@@ -90,6 +92,8 @@ class Candidate:
     modules: tuple[str, ...] = ()
     """Paths of whole submodules: this plan runs as the model's own code with them checkpointed
     (`checkpointed_copy`), not as the captured graph; empty: the captured graph, rewritten."""
+    offloaded: tuple[int, ...] = ()
+    """Storages the plan copies to host memory between forward and backward (lower/offload.py)."""
 
 
 @dataclass(frozen=True)
@@ -146,16 +150,18 @@ def steps_for(autotune: bool | int | None, clock: bool) -> int:
 Measure = Callable[[Sequence[Candidate], int], tuple[list[Measured], list[float]]]
 
 
-def _candidate(problem: Problem, label: str, regions, saved, finish, modules: tuple[str, ...] = ()) -> Candidate | None:
+def _candidate(problem: Problem, label: str, regions, saved, finish, modules: tuple[str, ...] = (),
+               offloaded: tuple[int, ...] = ()) -> Candidate | None:
     try:
         regions = normalize_regions(problem, finish(tuple(regions)) if finish else regions)
         saved = normalize_saved(problem, regions, tuple(i for i in saved if any(s <= i <= e for s, e in regions)))
-    except ProblemError:
+        sim = simulate(problem, regions, saved=saved, **({"offloaded": offloaded} if offloaded else {}))
+    except ProblemError:  # an offload its regions moved off no longer fits: not a candidate
         return None
-    if not regions:
+    if not regions and not offloaded:
         return None
-    sim = simulate(problem, regions, saved=saved)
-    return Candidate(label, tuple(regions), tuple(saved), sim.peak_bytes, sim.recompute_time, tuple(modules))
+    return Candidate(label, tuple(regions), tuple(saved), sim.peak_bytes, sim.recompute_time, tuple(modules),
+                     tuple(offloaded))
 
 
 def candidates(
@@ -379,7 +385,7 @@ def device_measure(
         return time.perf_counter() - t0
 
     def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
-        built = [build(c.regions, c.saved, c.modules) for c in cands]
+        built = [build(c.regions, c.saved, c.modules, *((c.offloaded,) if c.offloaded else ())) for c in cands]
         peaks: list[int] = []
         failed: dict[int, str] = {}
         for k, m in enumerate(built):
@@ -411,12 +417,12 @@ def device_measure(
     return measure
 
 
-def _as(problem: Problem, solution: Solution, regions, saved, stats: dict[str, Any]) -> Solution:
-    sim = simulate(problem, regions, saved=saved)
+def _as(problem: Problem, solution: Solution, regions, saved, stats: dict[str, Any], offloaded: tuple[int, ...] = ()) -> Solution:
+    sim = simulate(problem, regions, saved=saved, **({"offloaded": offloaded} if offloaded else {}))
     return Solution(
         regions=tuple(regions), solver=solution.solver, peak_bytes=sim.peak_bytes, recompute_time=sim.recompute_time,
         budget_bytes=solution.budget_bytes, solve_time=solution.solve_time, stats={**solution.stats, **stats},
-        saved=tuple(saved),
+        saved=tuple(saved), **({"offloaded": tuple(offloaded)} if offloaded else {}),
     )
 
 
@@ -440,11 +446,19 @@ def autotune_solution(
     stored = stored_choice(problem, store.get("plans", key), budget, inner, solver)
     if stored is not None:
         regions, saved, paths, record = stored
-        same = (regions, saved, paths) == (tuple(solution.regions), tuple(solution.saved), ())
-        if same or differs(regions, saved, paths) is False:
+        raw = store.get("plans", key).get("offloaded", ())
+        offloaded = tuple(int(i) for i in raw) if isinstance(raw, list) and all(type(i) is int for i in raw) else ()
+        same = (regions, saved, paths, offloaded) == (tuple(solution.regions), tuple(solution.saved), (),
+                                                      tuple(solution.offloaded))
+        if same or differs(regions, saved, paths, *((offloaded,) if offloaded else ())) is False:
             whole = {WHOLE_MODULES: list(paths)} if paths else {}
-            return _as(problem, solution, regions, saved, {"autotune": {**record, "from_store": True}, **whole}), notes
-    chosen = _candidate(problem, f"{solution.solver} plan", solution.regions, solution.saved, None)
+            try:
+                return _as(problem, solution, regions, saved, {"autotune": {**record, "from_store": True}, **whole},
+                           offloaded), notes
+            except ProblemError:  # a stored offload this problem refuses: measured afresh
+                pass
+    chosen = _candidate(problem, f"{solution.solver} plan", solution.regions, solution.saved, None,
+                        offloaded=tuple(solution.offloaded))
     if chosen is None:
         return solution, notes
     if solver is not None:
@@ -467,10 +481,11 @@ def autotune_solution(
     result = solution
     if tuned.index:  # a plan other than the solver's won: it passes the safety net or the solver's stands
         win = cands[tuned.index]
-        verdict = differs(win.regions, win.saved, win.modules)
+        verdict = differs(win.regions, win.saved, win.modules, *((win.offloaded,) if win.offloaded else ()))
         record["steps"] = record.get("steps", 0) + CHECK_STEPS
         if verdict is False:
-            result = _as(problem, solution, win.regions, win.saved, {WHOLE_MODULES: list(win.modules)} if win.modules else {})
+            result = _as(problem, solution, win.regions, win.saved, {WHOLE_MODULES: list(win.modules)} if win.modules else {},
+                         win.offloaded)
             if win.predicted_peak_bytes > budget:
                 got = record["candidates"][tuned.index]["measured_peak_bytes"]
                 notes.append(
@@ -485,10 +500,12 @@ def autotune_solution(
                 c["chosen"] = c["label"] == cands[0].label
     elif tuned.index is None and record.get("candidates"):
         notes.append("autotune: no candidate measured within the budget; the solver's plan stands")
-    result = _as(problem, result, result.regions, result.saved, {"autotune": record})
+    result = _as(problem, result, result.regions, result.saved, {"autotune": record},
+                 tuple(result.offloaded))
     if record.get("candidates"):
         store.keep("plans", key, {"regions": [list(r) for r in result.regions], "saved": list(result.saved),
-                                  "modules": list(result.stats.get(WHOLE_MODULES, ())), "record": record})
+                                  "modules": list(result.stats.get(WHOLE_MODULES, ())), "record": record,
+                                  "offloaded": list(result.offloaded)})
         store.save()
         if learn and record.get("band", MAX_BAND) < MAX_BAND:  # rounds too noisy to tell plans apart teach nothing
             remember(store, problem, record)
@@ -502,15 +519,18 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
     cfg = request.solve
     inner = inner_budget(budget, p.problem.fixed_bytes, request.budget.safety_margin)
 
-    def build(regions, saved, paths) -> torch.nn.Module:
-        return checkpointed_copy(model, paths) if paths else rewrite(gm, regions, model=model, saved=saved)
+    def build(regions, saved, paths, offloaded=()) -> torch.nn.Module:
+        if paths:
+            return checkpointed_copy(model, paths)
+        return rewrite(gm, regions, model=model, saved=saved, offload=targets_of(p.problem, offloaded))
 
     reference = reference_module(p)
 
-    def differs(regions, saved, paths) -> bool | None:
+    def differs(regions, saved, paths, offloaded=()) -> bool | None:
         if not p.check:
             return False
-        found = step_differences(model, build(regions, saved, paths), cap.args, cap.kwargs, reference=reference)
+        found = step_differences(model, build(regions, saved, paths, offloaded), cap.args, cap.kwargs,
+                                 reference=reference)
         return None if found is None else bool(found)
 
     def modules(regions):

@@ -27,7 +27,8 @@ from ..capture.preflight import nothing_to_plan
 from ..capture.trace import autocast_blocks
 from ..profile.memory import device_room
 from ..settings import PlanRequest
-from ..solvers.problem import Problem
+from ..solvers.offload import most_offloaded
+from ..solvers.problem import Problem, Solution
 from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
 from ..solvers.simulate import simulate
 from .profiled import REFERENCE_TOLERANCE, Profiled
@@ -74,18 +75,20 @@ def floor_plan(
     options: dict[str, Any],
     finish: Callable[[Sequence[tuple[int, int]]], tuple[Regions, list[str]]],
     extra: Sequence[Regions] = (),
-) -> tuple[int, Regions]:
-    """(peak bytes, regions) of the least-memory plan `solver` finds on deterministic costs, finished.
+) -> tuple[int, Regions, tuple[int, ...]]:
+    """(peak bytes, regions, offloaded storages) of the least-memory plan `solver` finds on deterministic
+    costs, finished.
 
     `extra`: plans that are candidates too (the model's own checkpoint regions).
 
     `finish` applies what happens to every plan after solving (in-place safety, own checkpointing);
-    the peak is simulated on the real problem (bytes do not depend on the times).
+    the peak is simulated on the real problem (bytes do not depend on the times). Where the problem can
+    offload, each candidate also counts with as much offloaded as the host holds (`most_offloaded`).
     """
     det = deterministic_problem(problem)
     names = _FLOOR_PORTFOLIO if solver == "auto" else (solver,)
     opts = {k: v for k, v in options.items() if k not in ("time_limit", "solvers")} if solver == "auto" else options
-    best: tuple[int, Regions] | None = None
+    best: tuple[int, Regions, tuple[int, ...]] | None = None
     candidates: list[Regions] = [tuple(r) for r in extra]
     for name in names:
         fn = get_solver(name)
@@ -93,9 +96,13 @@ def floor_plan(
         candidates.append(tuple(result.regions))
     for regions in candidates:
         finished, _ = finish(regions)
-        peak = simulate(problem, finished).peak_bytes
-        if best is None or (peak, len(finished)) < (best[0], len(best[1])):
-            best = (peak, finished)
+        offloads = [()]
+        if problem.can_offload:
+            offloads.append(most_offloaded(problem, Solution(regions=finished, solver="floor", peak_bytes=0, recompute_time=0.0)))
+        for offloaded in offloads:
+            peak = simulate(problem, finished, offloaded=offloaded).peak_bytes
+            if best is None or (peak, len(finished), len(offloaded)) < (best[0], len(best[1]), len(best[2])):
+                best = (peak, finished, tuple(offloaded))
     assert best is not None
     return best
 
@@ -120,7 +127,7 @@ def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str
     return text
 
 
-def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, Regions]:
+def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, Regions, tuple[int, ...]]:
     """The floor plan of `p` for this solver (cached until the safety net narrows the problem)."""
     key = (solver, keep, repr(sorted(options.items())))
     if key not in p.floors:
@@ -145,7 +152,7 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     if plain_peak <= budget and not keep:
         return
     fixed = problem.fixed_bytes
-    floor_peak, _ = floor_of(p, cfg.solver, dict(cfg.options), keep)
+    floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep)
     as_is = given_peak if keep else min(plain_peak, given_peak)
     if p.cost.stages:
         refuse_unplannable(p, budget, cfg.solver, min(as_is, smallest_budget(floor_peak, fixed, margin)))

@@ -54,8 +54,9 @@ from ..plan import Plan, Region
 from ..profile.graph import CostGraph
 from ..profile.profiler import ProfileConfig, profile
 from ..settings import PlanRequest
+from ..solvers.plans import normalize_regions
 from ..solvers.problem import Node, Problem, Storage
-from ..solvers.simulate import normalize_regions, simulate
+from ..solvers.simulate import simulate
 from .base import BasePlanner
 from .solve import solve_partial
 

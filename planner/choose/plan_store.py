@@ -19,8 +19,9 @@ import dataclasses
 from typing import Any
 
 from ..profile.timing_store import TimingStore, signature
+from ..solvers.plans import normalize_regions, normalize_saved
 from ..solvers.problem import Problem, ProblemError, Solution
-from ..solvers.simulate import normalize_regions, normalize_saved, simulate
+from ..solvers.simulate import simulate
 
 __all__ = ["KEEP_WITHIN", "plan_key", "kept_plan"]
 
@@ -37,16 +38,19 @@ def plan_key(problem: Problem, budget: int, solver: str, options: dict[str, Any]
     ])
 
 
-def _stored(problem: Problem, entry: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], str] | None:
-    """The stored plan's regions, saved nodes and solver, when it is a valid plan of `problem`."""
+def _stored(problem: Problem, entry: Any) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], str, tuple[int, ...]] | None:
+    """The stored plan's regions, saved nodes, solver and offloaded storages, when it is a valid plan of
+    `problem`."""
     if not isinstance(entry, dict):
         return None
     try:
         regions = normalize_regions(problem, [(int(s), int(e)) for s, e in entry["regions"]])
         saved = normalize_saved(problem, regions, [int(i) for i in entry["saved"]])
+        offloaded = tuple(int(t) for t in entry.get("offloaded", ()))
+        simulate(problem, regions, saved=saved, offloaded=offloaded)  # an offload this problem refuses raises
     except (ProblemError, KeyError, TypeError, ValueError):
         return None  # written for another graph of the same key, or by another version: solved afresh
-    return regions, saved, str(entry.get("solver", ""))
+    return regions, saved, str(entry.get("solver", "")), offloaded
 
 
 def kept_plan(problem: Problem, solution: Solution, budget: int, key: str, store: TimingStore) -> tuple[Solution, list[str]]:
@@ -54,12 +58,14 @@ def kept_plan(problem: Problem, solution: Solution, budget: int, key: str, store
     (then stored). Returns (plan, notes); the notes say when this run's solve is predicted clearly
     faster (by more than KEEP_WITHIN of a step) than the plan kept, and how to take it."""
     stored = _stored(problem, store.get("plans", key))
-    if stored is not None and (stored[0], stored[1]) != (tuple(solution.regions), tuple(solution.saved)):
-        regions, saved, solver = stored
-        sim = simulate(problem, regions, saved=saved)
+    mine = (tuple(solution.regions), tuple(solution.saved), tuple(solution.offloaded))
+    if stored is not None and (stored[0], stored[1], stored[3]) != mine:
+        regions, saved, solver, offloaded = stored
+        sim = simulate(problem, regions, saved=saved, offloaded=offloaded)
         if sim.peak_bytes <= budget:
             kept = dataclasses.replace(
-                solution, regions=regions, saved=saved, peak_bytes=sim.peak_bytes, recompute_time=sim.recompute_time,
+                solution, regions=regions, saved=saved, offloaded=offloaded, peak_bytes=sim.peak_bytes,
+                recompute_time=sim.recompute_time,
                 solver=solver or solution.solver, stats={**solution.stats, "kept_plan": True},
             )
             gain = sim.recompute_time - solution.recompute_time
@@ -78,7 +84,8 @@ def kept_plan(problem: Problem, solution: Solution, budget: int, key: str, store
                 against = f"it is predicted no slower than this run's {solution.solver} plan"
             note = f"kept the plan an earlier run chose for this graph and budget (timing store): {against}"
             return kept, [note]
-    entry = {"regions": [list(r) for r in solution.regions], "saved": list(solution.saved), "solver": solution.solver}
+    entry = {"regions": [list(r) for r in solution.regions], "saved": list(solution.saved), "solver": solution.solver,
+             **({"offloaded": list(solution.offloaded)} if solution.offloaded else {})}
     if store.get("plans", key) != entry:
         store.keep("plans", key, entry)
         store.save()

@@ -18,6 +18,7 @@ from ..capture.trace import Capture
 from ..distributed import optimizer_state_bytes, shard_problem
 from ..lower.apply import whole_module_spans
 from ..lower.chunk import ChunkSpec
+from ..profile.copy_bandwidth import CopyBandwidth, copy_bandwidth, free_host_bytes, offload_note
 from ..profile.graph import CostGraph
 from ..profile.profiler import ProfileConfig
 from ..profile.timing_store import TimingStore, open_store
@@ -60,6 +61,10 @@ class Profiled:
     """Token-wise groups run in chunks (exact=False only)."""
     capture_notes: list[str] = field(default_factory=list)
     dist_notes: list[str] = field(default_factory=list)
+    bandwidth: CopyBandwidth | None = None
+    """The host copy bandwidth the problem prices offload at (profile/copy_bandwidth.py)."""
+    offload_notes: list[str] = field(default_factory=list)
+    """Why offload was not considered, where it was not (one line)."""
     values: ValueGuard | None = None
     """Python values the graph holds as constants, checked before each training call of plan.module."""
     floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
@@ -157,7 +162,15 @@ class Profiled:
 def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: Setup, *,
              chunks: list[ChunkSpec] | None = None, capture_notes: list[str] | None = None) -> Profiled:
     """The problem, the model's own regions and the notes of one profile (the bytes pass's or the timed one)."""
-    problem = cost.to_problem(optimizer_bytes=optimizer_state_bytes(model, setup.optimizer), name=type(model).__name__)
+    config = setup.profile or ProfileConfig()
+    # offload is priced at the device's host copy bandwidth (0 on the CPU: the solvers never offload there)
+    bandwidth = copy_bandwidth("meta" if setup.meta or config.meta else cost.device, store=config.timing_store,
+                               simulated=setup.offload.bandwidth)
+    host = setup.offload.host_budget_bytes(free_host_bytes()) if bandwidth.usable else 0
+    problem = cost.to_problem(optimizer_bytes=optimizer_state_bytes(model, setup.optimizer), name=type(model).__name__,
+                              d2h_bytes_per_s=bandwidth.d2h_bytes_per_s, h2d_bytes_per_s=bandwidth.h2d_bytes_per_s,
+                              host_budget_bytes=host)
+    note = offload_note(bandwidth, host)
     dist = setup.distributed
     problem, dist_notes = shard_problem(problem, model, world_size=dist.world_size, sharding=dist.sharding)
     if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (cost_refit.py)
@@ -173,7 +186,7 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
     return Profiled(
         model=model, capture=capture, cost=cost, problem=problem, setup=setup, own_regions=laminar(problem, spans),
         own_unplaced=unplaced, chunks=list(chunks or []), capture_notes=list(capture_notes or []),
-        dist_notes=list(dist_notes),
+        dist_notes=list(dist_notes), bandwidth=bandwidth, offload_notes=[note] if note else [],
     )
 
 

@@ -6,27 +6,41 @@ from __future__ import annotations
 import dataclasses
 
 from ..lower.rewrite import safe_regions
+from ..solvers.copies import offloadable
+from ..solvers.plans import normalize_regions
 from ..solvers.problem import Problem, Solution
-from ..solvers.simulate import normalize_regions, simulate
+from ..solvers.simulate import simulate
 
-__all__ = ["Regions", "with_regions", "laminar", "merge_own", "kept_saved", "finish_regions", "per_block_regions"]
+__all__ = ["Regions", "with_regions", "kept_offloads", "laminar", "merge_own", "kept_saved", "finish_regions", "per_block_regions"]
 
 Regions = tuple[tuple[int, int], ...]
 
 
 def with_regions(problem: Problem, solution: Solution, regions, budget=None, stats=None) -> Solution:
-    """`solution` with `regions` in place of its own (and the kept ops still inside them), re-simulated."""
+    """`solution` with `regions` in place of its own (and the kept ops still inside them, and the offloads
+    the new regions still keep from the forward to the backward), re-simulated."""
     saved = kept_saved(regions, solution.saved)
-    sim = simulate(problem, regions, saved=saved)
+    offloaded = kept_offloads(problem, regions, saved, solution.offloaded)
+    sim = simulate(problem, regions, saved=saved, offloaded=offloaded)
     return dataclasses.replace(
         solution,
         regions=tuple(regions),
         saved=saved,
+        offloaded=offloaded,
         peak_bytes=sim.peak_bytes,
         recompute_time=sim.recompute_time,
         budget_bytes=solution.budget_bytes if budget is None else budget,
         stats={**solution.stats, **(stats or {})},
     )
+
+
+def kept_offloads(problem: Problem, regions, saved, offloaded) -> tuple[int, ...]:
+    """The offloads of a plan that its (moved) regions still keep from the forward to the backward: a region
+    that grew over an offloaded storage recomputes it instead."""
+    if not offloaded:
+        return ()
+    allowed = set(offloadable(problem, regions, saved))
+    return tuple(sorted(t for t in offloaded if t in allowed))
 
 
 def laminar(problem: Problem, spans) -> tuple[tuple[int, int], ...]:

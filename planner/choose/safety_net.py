@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CheckOutOfMemoryError, InexactPlanError
 from ..lower.apply import checkpointed_copy
+from ..lower.offload import targets_of
 from ..lower.rewrite import rewrite
 from ..settings import PlanRequest
 from ..solvers.problem import Solution
@@ -67,8 +68,9 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
             f"the check ran {what}, predicted {over / 1e6:.1f} MB over the budget, as the device had room for it; "
             "check_step=False keeps planning within the budget")]
 
-    def differs(regions, saved) -> bool | None:
-        found = step_differences(model, rewrite(gm, regions, model=model, saved=saved), cap.args, cap.kwargs,
+    def differs(regions, saved, offload=()) -> bool | None:
+        module = rewrite(gm, regions, model=model, saved=saved, offload=offload)
+        found = step_differences(model, module, cap.args, cap.kwargs,
                                  bitwise=None if p.exact else False, reference=reference)
         if found == [OUT_OF_MEMORY]:
             raise _OutOfMemory
@@ -80,7 +82,8 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
                                "plan with exact=True or report the model")
     for _ in range(3):
         try:
-            verdict = differs(solution.regions, solution.saved) if solution.regions else False
+            offload = targets_of(p.problem, solution.offloaded)  # its offloads run in the check too
+            verdict = differs(solution.regions, solution.saved, offload) if solution.regions or offload else False
         except _OutOfMemory:
             raise CheckOutOfMemoryError(
                 f"the step that checks the plan (predicted {solution.peak_bytes / 1e9:.3f} GB) ran out of device "

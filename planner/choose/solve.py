@@ -16,7 +16,7 @@ from ..solvers.sweep import knee, sweep
 from .budget import floor_of, inner_budget, refuse, smallest_budget
 from .plan_store import kept_plan, plan_key
 from .profiled import Profiled
-from .regions import finish_regions, kept_saved, with_regions
+from .regions import finish_regions, with_regions
 
 __all__ = ["solve_budget", "solve_unbudgeted", "solve_partial", "finish"]
 
@@ -45,7 +45,7 @@ def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple
         return with_regions(problem, solve(problem, None, "none"), (), budget), [note]
     fixed = problem.fixed_bytes
     inner = inner_budget(budget, fixed, margin)
-    floor_peak, floor_regions = floor_of(p, solver, options, keep)
+    floor_peak, floor_regions, floor_offloaded = floor_of(p, solver, options, keep)
     refuse(p, budget, request)
     stats = {"planned_for_bytes": inner}
     if floor_peak > inner or (keep and given_peak <= budget):
@@ -58,11 +58,12 @@ def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple
         except InfeasibleBudgetError:
             break
         regions, moved = finish(p, solution.regions, keep)
-        peak = simulate(problem, regions, saved=kept_saved(regions, solution.saved)).peak_bytes
+        finished = with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
+        peak = finished.peak_bytes
         if peak <= inner:
             if attempt:
                 moved.append(f"re-solved {attempt}x at a lower internal budget: moved regions had left it over")
-            solution = with_regions(problem, solution, regions, budget, {**stats, "tightened": attempt})
+            solution = finished
             if p.cost.time_source != "fitted":  # FLOP times repeat by themselves
                 return solution, moved
             solution, kept = kept_plan(problem, solution, inner, plan_key(problem, inner, solver, options, keep), p.store())
@@ -74,7 +75,7 @@ def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple
         f"the {solver!r} plan on measured times did not fit once its regions were finished: this is the "
         "least-memory plan on FLOP costs"
     )
-    floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget)
+    floor = Solution(regions=(), solver=solver, peak_bytes=0, recompute_time=0.0, budget_bytes=budget, offloaded=floor_offloaded)
     return with_regions(problem, floor, floor_regions, budget, {**stats, "floor_plan": True}), [note]
 
 

@@ -28,7 +28,7 @@ def lower_plan(plan: Any, model: torch.nn.Module, cap: Capture, *, chunked: bool
         plan.stats["captured_on"] = "meta"
     if returns_loss_only(model):  # outputs="loss": Plan.rebuild returns the loss alone too
         plan.stats["outputs"] = "loss"
-    if not plan.regions and not chunked and on_larger_shape == "error":
+    if not plan.regions and not plan.offloaded and not chunked and on_larger_shape == "error":
         # Nothing to recompute: the model itself, not its captured graph (which costs time of its own).
         plan.module, plan.graph_overhead_s, plan.predicted_step_s = model, 0.0, plan.eager_step_s
         plan.notes = (*plan.notes, "no checkpoint regions: plan.module is the model itself, unchanged")
@@ -43,8 +43,9 @@ def lower_plan(plan: Any, model: torch.nn.Module, cap: Capture, *, chunked: bool
                       "than the captured graph")
         guard_model(plan.module, input_shapes(cap.args, cap.kwargs), on_larger_shape, replan)
         return
-    with stage("rewrite", f"{len(plan.regions)} checkpoint regions"):
-        plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices())
+    with stage("rewrite", f"{len(plan.regions)} checkpoint regions, {len(plan.offloaded)} offloaded activations"):
+        plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices(),
+                              offload=plan.offloaded)
     planned = input_shapes(cap.args, cap.kwargs)
     guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
     guard.values = values

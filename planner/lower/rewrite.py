@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..capture.mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
 from ..capture.rng import uses_rng
 from .fastcode import bound_forward, switched_forward
+from .offload import OffloadHooks, OffloadTarget, place_marks
 
 __all__ = ["CheckpointRegion", "CheckpointedModule", "rewrite", "safe_regions"]
 
@@ -159,6 +160,10 @@ class CheckpointedModule(fx.GraphModule):
                 other = guard.module_for(args, kwargs)
                 if other is not None:
                     return other(*args, **kwargs)
+            hooks = self.__dict__.get("offload_hooks")  # offload.py: the plan's offloaded activations
+            if hooks is not None:
+                with hooks.step():
+                    return super().__call__(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
@@ -175,6 +180,7 @@ def rewrite(
     *,
     model: torch.nn.Module | None = None,
     saved: Sequence[int] = (),
+    offload: Sequence[OffloadTarget] = (),
 ) -> fx.GraphModule:
     """Return a new GraphModule running `regions` (compute-node index ranges) under checkpoint.
 
@@ -186,6 +192,9 @@ def rewrite(
     attached too, so `state_dict` keys match the model's, and eval-mode calls
     go to `model`. Regions that would recompute from an input written in place
     are adjusted first (see `safe_regions`); `result.rewrite_notes` lists the changes.
+
+    `offload`: node outputs whose storages the step copies to host in the forward and fetches back for
+    the backward (`offload.py`); the result then runs its training calls under `result.offload_hooks`.
     """
     compute = compute_nodes(gm.graph)
     saved_nodes = {compute[i] for i in saved}
@@ -274,6 +283,11 @@ def rewrite(
                 outer[o].meta = dict(o.meta)
 
     emit(new_graph, list(gm.graph.nodes), tree, "checkpoint", env)
+    if offload:  # marks at the top level only: inside a region, checkpoint's own hooks take every saved tensor
+        in_regions = {compute[i] for s, e in regions for i in range(s, e + 1)}
+        notes += place_marks(new_graph, list(gm.graph.nodes), env, in_regions, offload)
+        object.__setattr__(new_gm, "rewrite_notes", tuple(notes))
+        object.__setattr__(new_gm, "offload_hooks", OffloadHooks(offload))
     new_gm.graph = new_graph
     for region in made:
         region.bind(new_gm)

@@ -7,6 +7,7 @@ from typing import Any
 
 import networkx as nx
 
+from ..lower.offload import STORAGE_OUTPUTS
 from ..solvers.problem import Node, Problem, Storage
 
 __all__ = ["NodeCost", "StorageCost", "CostGraph"]
@@ -65,6 +66,9 @@ class StorageCost:
     last_use: int
     saved_by: tuple[int, ...]
     is_output: bool
+    output: int = -1
+    """Which of the producer's output tensors holds it (position among its strided outputs); -1: made
+    and saved inside the op (a dropout mask), no output of the graph's to find it by."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,10 @@ class CostGraph:
     def param_grad_bytes(self) -> int:
         return sum(n.param_grad_bytes for n in self.nodes)
 
-    def to_problem(self, *, optimizer_bytes: int = 0, name: str = "") -> Problem:
+    def to_problem(self, *, optimizer_bytes: int = 0, name: str = "", d2h_bytes_per_s: float = 0.0,
+                   h2d_bytes_per_s: float = 0.0, host_budget_bytes: int = 0) -> Problem:
+        """The solvers' input. The copy bandwidths (bytes/s; 0: the device cannot offload) and the pinned host
+        bytes offloaded tensors may hold are the device's and the caller's (profile/copy_bandwidth.py)."""
         nodes = tuple(
             Node(
                 name=n.name,
@@ -144,9 +151,12 @@ class CostGraph:
             for n in self.nodes
         )
         storages = tuple(
-            Storage(producer=s.producer, nbytes=s.nbytes, last_use=s.last_use, saved_by=s.saved_by, is_output=s.is_output)
+            Storage(producer=s.producer, nbytes=s.nbytes, last_use=s.last_use, saved_by=s.saved_by, is_output=s.is_output,
+                    copyable=s.output >= 0)
             for s in self.storages
         )
+        offload = {"d2h_bytes_per_s": float(d2h_bytes_per_s), "h2d_bytes_per_s": float(h2d_bytes_per_s),
+                   "host_budget_bytes": int(host_budget_bytes)}
         return Problem(
             nodes=nodes,
             storages=storages,
@@ -159,6 +169,9 @@ class CostGraph:
             saved_overhead_s=self.saved_overhead_s,
             step_time_s=self.step_time_s,
             graph_overhead_s=self.graph_overhead_s,
+            # where each storage is found again as a node output when a plan offloads it (lower/offload.py)
+            meta={STORAGE_OUTPUTS: tuple((self.nodes[s.producer].name, s.output) for s in self.storages)},
+            **offload,
         )
 
     def fingerprint(self) -> str:

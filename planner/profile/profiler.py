@@ -359,16 +359,17 @@ class _StorageTable:
         self.owner: dict[int, int] = {}  # storage key -> storage index
         self.storages: list[dict[str, Any]] = []
 
-    def _new(self, key: int, producer: int, nbytes: int) -> None:
+    def _new(self, key: int, producer: int, nbytes: int, output: int = -1) -> None:
         self.owner[key] = len(self.storages)
         self.storages.append(
-            {"producer": producer, "nbytes": nbytes, "last_use": producer, "saved_by": set(), "is_output": False}
+            {"producer": producer, "nbytes": nbytes, "last_use": producer, "saved_by": set(), "is_output": False,
+             "output": output}
         )
 
     def add_outputs(self, i: int, value: Any, *, viewed: bool) -> tuple[int, int]:
         """Node `i`'s new output storages; returns its output bytes and the bytes of its output's gradient."""
         out_bytes, grad_bytes = 0, 0
-        for t in strided_tensors(value):
+        for position, t in enumerate(strided_tensors(value)):
             key = storage_key(t)
             if key in self.external or key in self.owner:
                 # No new storage: an in-place op (relu_, add_) or a view of an activation. The
@@ -378,7 +379,7 @@ class _StorageTable:
                     grad_bytes += block_bytes(t.numel() * t.element_size(), t.device)
                 continue
             nbytes = tensor_block_bytes(t)
-            self._new(key, i, nbytes)
+            self._new(key, i, nbytes, output=position)  # which output holds it: offload finds it there
             out_bytes += nbytes
             if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 grad_bytes += block_bytes(t.numel() * t.element_size(), t.device)
@@ -453,6 +454,7 @@ def _cost_graph(
             last_use=d["last_use"],
             saved_by=tuple(sorted(d["saved_by"])),
             is_output=d["is_output"],
+            output=d.get("output", -1),
         )
         for d in storages
     )

@@ -8,6 +8,9 @@ derived from (timing.call_timings), and per captured graph the step times its ca
 from (timing.with_step_times). The first profile that meets an entry measures it and stores it; every
 later one reads it, so the plan is a function of the model, the inputs and the budget alone.
 
+`copies` keeps the device's host copy times (profile/copy_bandwidth.py: seconds per GiB each way, a
+snapshot that heals like the others), from which offload's bandwidths are derived.
+
 It also keeps, per graph and budget, the plan the last run chose (`plans`): a later run keeps that
 plan unless its own solve beats it, on this run's figures, by more than a measurement can tell apart
 (choose/plan_store.py). A heal that moves a near-equal plan ahead then leaves the plan alone.
@@ -66,7 +69,7 @@ _OFF = {"off", "0", "no", "false", "none"}
 MIN_TIME_S = 1e-9  # seconds: below any op's launch; 0, negatives and 1e-300 are not measurements
 MAX_TIME_S = 3600.0  # seconds: no op, call or step of one training step takes an hour
 _MAY_BE_ZERO = {"recomputed", "calls"}  # a calibration snapshot's predicted figures (timing.CALIBRATION_STEPS)
-_TIMED_TABLES = ("ops", "overheads", "graphs", "steps")
+_TIMED_TABLES = ("ops", "overheads", "graphs", "steps", "copies")
 MAX_STORE_BYTES = 64 << 20  # bytes: thousands of entries take well under 1 MB; a file beyond this is not ours
 LOCK_WAIT_S = 10.0  # seconds: another run holds the lock for one read-merge-write; past this, this run stores nothing
 
@@ -222,7 +225,7 @@ def _valid(value: Any) -> bool:
 
 
 def _empty() -> dict[str, dict[str, Any]]:
-    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}, "learned": {}}
+    return {"ops": {}, "overheads": {}, "graphs": {}, "steps": {}, "plans": {}, "learned": {}, "copies": {}}
 
 
 _KINDS = {stat.S_IFIFO: "a fifo", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link",

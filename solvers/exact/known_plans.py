@@ -27,9 +27,10 @@ from typing import Any
 
 from ..heuristics.basic import uniform
 from ..heuristics.greedy import GreedySearch
+from ..plans import region_parents
 from ..problem import Problem
 from ..registry import SolverResult
-from ..simulate import region_parents, simulate
+from ..simulate import simulate
 from .dp import DPSearch, solve_with
 
 __all__ = ["known_plans", "flat_plans", "best_of"]
