@@ -15,6 +15,9 @@ few interleaved training steps:
   fastest are ties, and ties go to the predicted-fastest, so two runs agree. The band is the spread of
   each candidate's step over the plain graph's step of the same round (1-5 %): a load that slows the
   whole round cancels, so the band is what tells plans apart, not how busy the machine was;
+* after LEAVE_AFTER rounds, a candidate that does not fit, or whose fastest step is more than LEAVE_BEYOND
+  slower than the leader's, is timed no more, and the race ends when one candidate is left: a clear
+  winner costs a few rounds, not all of them (on the Quickstart's GPT-2, 27 model steps before);
 * the whole costs at most `steps` model steps (default AUTOTUNE_STEPS = 30).
 
 `tune` returns the choice and a JSON record of every candidate's predicted and measured figures (the
@@ -58,7 +61,8 @@ from .safety_net import reference_module
 from .solve import finish
 
 __all__ = [
-    "AUTOTUNE_STEPS", "MAX_CANDIDATES", "Candidate", "Measured", "Tuned", "candidates", "schedule", "choose",
+    "AUTOTUNE_STEPS", "LEAVE_AFTER", "LEAVE_BEYOND", "in_the_race", "model_steps", "MAX_CANDIDATES", "Candidate",
+    "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
     "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned", "explicit_variants",
 ]
@@ -69,6 +73,12 @@ MAX_CANDIDATES = 4
 """Plans measured at most (the solver's plan among them)."""
 MIN_BAND, MAX_BAND = 0.01, 0.05
 """The noise band (a fraction of a step) is the rounds' own paired spread, held between these."""
+LEAVE_AFTER = 2
+"""Rounds every candidate runs before one can leave the race."""
+LEAVE_BEYOND = 0.15
+"""A candidate leaves the race when its fastest step is slower than the leader's fastest by more than this
+fraction, unpaired and paired with the plain graph's step of the same round alike: three times the widest
+noise band, so that only a plan no later round could make a tie stops being timed."""
 CHECK_STEPS = 2
 """Steps kept back from the cap for the winner's exactness check (one of the plan, one of the model)."""
 WHOLE_MODULES = "whole_modules"
@@ -146,8 +156,10 @@ def steps_for(autotune: bool | int | None, clock: bool) -> int:
     return AUTOTUNE_STEPS if clock and not off and not ranks else 0
 
 
-# fn(candidates, rounds) -> (one Measured per candidate, the plain graph's step times)
-Measure = Callable[[Sequence[Candidate], int], tuple[list[Measured], list[float]]]
+# fn(candidates, rounds, racing) -> (one Measured per candidate, the plain graph's step times). `racing`
+# (may be None) takes the figures so far and gives the candidates to go on timing (`in_the_race`).
+Racing = Callable[[list[Measured], list[float]], set[int]]
+Measure = Callable[[Sequence[Candidate], int, Racing | None], tuple[list[Measured], list[float]]]
 
 
 def _candidate(problem: Problem, label: str, regions, saved, finish, modules: tuple[str, ...] = (),
@@ -251,21 +263,44 @@ def choose(cands: Sequence[Candidate], measured: Sequence[Measured], budget: int
     return min(ties, key=lambda k: (cands[k].predicted_extra_s, k))
 
 
+def in_the_race(measured: Sequence[Measured], base: Sequence[float], budget: int) -> set[int]:
+    """The candidates still worth timing: their step ran, their measured peak is within `budget`, and their
+    fastest step is within LEAVE_BEYOND of the leader's, unpaired or paired with the plain graph's step of
+    the same round (either is enough to stay: a load on one round must not push a plan out)."""
+    fits = [k for k, m in enumerate(measured) if m.failed is None and m.peak_bytes <= budget and m.times]
+    if not fits:
+        return set()
+
+    def paired(m: Measured) -> float:
+        ratios = [t / b for t, b in zip(m.times, base) if b > 0]
+        return min(ratios) if ratios else m.step_s
+
+    lead, lead_paired = min(measured[k].step_s for k in fits), min(paired(measured[k]) for k in fits)
+    return {k for k in fits
+            if measured[k].step_s <= lead * (1 + LEAVE_BEYOND) or paired(measured[k]) <= lead_paired * (1 + LEAVE_BEYOND)}
+
+
+def model_steps(measured: Sequence[Measured], base: Sequence[float], warm_up: bool) -> int:
+    """Model steps a race ran: a peak step per candidate, the plain graph's warm-up, every timed step."""
+    return len(measured) + int(warm_up) + len(base) + sum(len(m.times) for m in measured)
+
+
 def tune(cands: Sequence[Candidate], budget: int, measure: Measure, steps: int = AUTOTUNE_STEPS) -> Tuned:
     """Measure `cands` (the solver's plan first) within `steps` model steps and choose (see the module
-    docstring). Returns Tuned(None, record) when fewer than two candidates can be measured or none fits."""
+    docstring); a candidate that cannot win any more leaves the race (`in_the_race`). Returns
+    Tuned(None, record) when fewer than two candidates can be measured or none fits."""
     n, rounds = schedule(len(cands), steps)
     if n < 2:
         why = "one candidate" if len(cands) < 2 else f"a cap of {steps} steps leaves no room for two candidates"
         return Tuned(None, {"skipped": why, "steps": 0})
     cands = list(cands[:n])
     t0 = time.perf_counter()
-    measured, base = measure(cands, rounds)
+    measured, base = measure(cands, rounds, lambda ms, b: in_the_race(ms, b, budget))
     band = noise_band(measured, base)
     winner = choose(cands, measured, budget, band)
     base_s = min(base) if base else 0.0
     record = {
-        "steps": (n + 1) * (rounds + 1),
+        "steps": model_steps(measured, base, warm_up=bool(base)),
         "rounds": rounds,
         "band": band,
         "seconds": time.perf_counter() - t0,
@@ -384,7 +419,7 @@ def device_measure(
         sync()
         return time.perf_counter() - t0
 
-    def measure(cands: Sequence[Candidate], rounds: int) -> tuple[list[Measured], list[float]]:
+    def measure(cands: Sequence[Candidate], rounds: int, racing: Racing | None = None) -> tuple[list[Measured], list[float]]:
         built = [build(c.regions, c.saved, c.modules, *((c.offloaded,) if c.offloaded else ())) for c in cands]
         peaks: list[int] = []
         failed: dict[int, str] = {}
@@ -405,14 +440,26 @@ def device_measure(
         first = 0 if baseline is None else 1  # index of the first candidate in `everyone`
         times: list[list[float]] = [[] for _ in modules]
         base: list[float] = []
+        racing_now = set(range(first, len(everyone)))  # positions in `everyone` of the candidates still timed
+
+        def so_far() -> list[Measured]:
+            timed_of = dict(zip(live, times))
+            return [Measured(peaks[k], tuple(timed_of.get(k, ())), failed.get(k)) for k in range(len(built))]
+
         for r in range(rounds):
-            for k in [(r + j) % len(everyone) for j in range(len(everyone))]:  # the order rotates per round
-                t = timed(everyone[k])
-                (base if k < first else times[k - first]).append(t)
+            order = [(r + j) % len(everyone) for j in range(len(everyone))]  # the order rotates per round
+            for k in order:
+                if k < first or k in racing_now:
+                    t = timed(everyone[k])
+                    (base if k < first else times[k - first]).append(t)
+            if racing is not None and r + 1 >= LEAVE_AFTER:
+                staying = racing(so_far(), base)
+                racing_now = {first + live.index(k) for k in staying if k in live}
+                if len(racing_now) <= 1:
+                    break  # the race is decided: one plan left, or none that fits
         for p in params:
             p.grad = None
-        timed_of = dict(zip(live, times))
-        return [Measured(peaks[k], tuple(timed_of.get(k, ())), failed.get(k)) for k in range(len(built))], base
+        return so_far(), base
 
     return measure
 

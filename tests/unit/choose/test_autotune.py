@@ -131,7 +131,7 @@ def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_app
     solution = solve(problem, inner, "dp")
     assert tuple(solution.regions) != every_2.regions
 
-    def measure(cands, rounds):  # every plan measures 20 bytes under its prediction; every_2 is fastest
+    def measure(cands, rounds, racing=None):  # every plan measures 20 bytes under its prediction; every_2 is fastest
         return ([m(c.predicted_peak_bytes - 20, *[1.0 if c.regions == every_2.regions else 2.0] * rounds)
                  for c in cands], [0.5] * rounds)
 
@@ -176,7 +176,7 @@ def test_noise_band_is_paired_so_a_load_on_the_whole_round_cancels():
 def test_steps_never_exceed_the_cap(cap):
     calls = []
 
-    def measure(cands, rounds):
+    def measure(cands, rounds, racing=None):
         calls.append((len(cands), rounds))
         return [m(1, *[1.0] * rounds) for _ in cands], [1.0] * rounds
 
@@ -223,7 +223,7 @@ class FakeClock:
         self.over, self.slow = over, slow
 
     def __call__(self, *args, **kwargs):
-        def measure(cands, rounds):
+        def measure(cands, rounds, racing=None):
             self.calls += 1
             self.steps += (len(cands) + 1) * (rounds + 1)
             out = [m(c.predicted_peak_bytes + (10**9 if c.label in self.over else 0),
@@ -315,7 +315,7 @@ class ModulesFastest(FakeClock):
     """The hand-written plans that run as the model's own code measure fastest."""
 
     def __call__(self, *args, **kwargs):
-        def measure(cands, rounds):
+        def measure(cands, rounds, racing=None):
             self.calls += 1
             return [m(c.predicted_peak_bytes, *[(0.5 if c.modules else 1.0) + 0.001 * k for k in range(rounds)])
                     for c in cands], [0.4] * rounds
@@ -443,7 +443,7 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
     solution = solve(problem, budget, "dp")
     store = TimingStore(tmp_path / "t.json")
 
-    def measure(cands, rounds):
+    def measure(cands, rounds, racing=None):
         # noise of each candidate's own (the plain graph's steps stay put), so the paired band sees it
         spread = (lambda k: 1.0 + k) if noisy else (lambda k: 1.0)
         return ([m(c.predicted_peak_bytes, *[(100 + 2 * c.predicted_extra_s) * spread(k) for k in range(rounds)])
@@ -505,3 +505,48 @@ def test_a_candidate_whose_step_raises_is_dropped_from_the_race():
     entry = tuned.record["candidates"][1]
     assert entry["fits"] is False and entry["measured_step_s"] is None and "RuntimeError" in entry["failed"]
     json.dumps(tuned.record, allow_nan=False)  # the record goes to the timing store as strict JSON
+
+
+# -- the race ends early where it is decided -----------------------------------------------------------
+
+
+def test_a_plan_that_cannot_win_leaves_the_race():
+    base = [1.0, 1.0]
+    measured = [m(90, 1.00, 1.02), m(90, 1.10, 1.12),  # the leader, and one 10 % behind: a race still
+                m(90, 1.40, 1.45),  # 40 % behind on every round: out
+                m(101, 0.90, 0.90),  # fastest, but over the budget: out
+                at.Measured(0, (), "RuntimeError: boom")]  # its step raised: out
+    assert at.in_the_race(measured, base, budget=100) == {0, 1}
+    # a load slowed the whole second round but the second plan's step: paired with the plain graph's step of
+    # the same round it is 8 % behind there, so it stays although its fastest step alone is 40 % behind
+    loaded = [m(90, 1.00, 1.30), m(90, 1.40, 1.40)]
+    assert at.in_the_race(loaded, [1.0, 1.30], budget=100) == {0, 1}
+    assert at.in_the_race(loaded, [1.0, 1.0], budget=100) == {0}
+    assert at.in_the_race([m(101, 1.0)], [1.0], budget=100) == set()
+
+
+def test_the_device_race_stops_timing_what_left_and_ends_when_one_is_left():
+    model, x = mlp()
+    built = []
+
+    def build(regions, saved, paths, offloaded=()):
+        built.append(regions)
+        return model
+
+    measure = at.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
+    cands = [cand("a", 1.0, 10**9), cand("b", 2.0, 10**9), cand("c", 3.0, 10**9)]
+    seen = []
+
+    def drop_c(measured, base):  # after the rounds every candidate runs, "c" leaves; after the next, "b"
+        seen.append([len(mm.times) for mm in measured])
+        return {0, 1} if len(seen) == 1 else {0}
+
+    measured, base = measure(cands, 5, drop_c)
+    assert seen == [[at.LEAVE_AFTER] * 3, [at.LEAVE_AFTER + 1, at.LEAVE_AFTER + 1, at.LEAVE_AFTER]]
+    assert [len(mm.times) for mm in measured] == [at.LEAVE_AFTER + 1, at.LEAVE_AFTER + 1, at.LEAVE_AFTER]
+    assert len(base) == at.LEAVE_AFTER + 1  # the race ended with one candidate left, two rounds early
+    # 3 peak steps, the plain graph's warm-up, 3 + 3 + 2 candidate steps and 3 of the plain graph
+    assert at.model_steps(measured, base, warm_up=True) == 3 + 1 + 8 + 3
+    full, full_base = measure(cands, 5, None)  # without racing, every round runs
+    assert [len(mm.times) for mm in full] == [5, 5, 5] and len(full_base) == 5
+    assert at.model_steps(full, full_base, warm_up=True) == (3 + 1) * (5 + 1)
