@@ -31,10 +31,12 @@ checkpointing is named in the notes: beyond what repeats of one step tell apart.
 
 
 def plan_key(problem: Problem, budget: int, solver: str, options: dict[str, Any], keep_own: bool) -> str:
-    """What a stored plan answers: the graph's structure and sizes, the bytes planned for, the solver."""
+    """What a stored plan answers: the graph's structure and sizes, the bytes planned for, the solver, and
+    whether it may offload (a recompute-only plan is not the answer where copies are priced, nor the other
+    way round; the bandwidth itself is a measurement, re-read when the stored plan is re-simulated)."""
     return signature([
         problem.fingerprint(), f"fixed={problem.fixed_bytes}", f"budget={budget}", f"solver={solver}",
-        f"options={sorted(options.items())!r}", f"keep={keep_own}",
+        f"options={sorted(options.items())!r}", f"keep={keep_own}", *(["offload"] if problem.can_offload else []),
     ])
 
 

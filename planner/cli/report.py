@@ -207,6 +207,10 @@ def _timeline_figure(plt: Any, plan: dict[str, Any], timeline: dict, measured: d
             _plot_series(ax, timeline["baseline"], "no checkpointing, predicted", "C7-")
         if "plan" in timeline:
             _plot_series(ax, timeline["plan"], f"{plan['solver']}, predicted", "C0-")
+            if timeline["plan"].get("host"):  # the copy streams: what the plan holds on the host meanwhile
+                host = timeline["plan"]["host"]
+                ax.plot([i / max(1, len(host) - 1) for i in range(len(host))], [b / 1e6 for b in host], "C2--",
+                        lw=1.0, label="offloaded to the host (copy streams)")
             phases = timeline["plan"]["phase"]
             start = next((i for i, ph in enumerate(phases) if ph != "forward"), None)
             if start:

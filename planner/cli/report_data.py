@@ -27,16 +27,36 @@ def _downsample(values: list[int], labels: list[str], limit: int = _MAX_POINTS) 
     return out_v, out_l
 
 
-def timeline_data(problem: Any, regions: Sequence[tuple[int, int]], saved: Sequence[int] = ()) -> dict[str, Any]:
+def timeline_data(problem: Any, regions: Sequence[tuple[int, int]], saved: Sequence[int] = (),
+                  offloaded: Sequence[int] = ()) -> dict[str, Any]:
     """Predicted live bytes after every simulator event of one step (forward, recompute, backward);
-    `saved`: the ops selective regions keep, as the plan's own figures count them."""
+    `saved`: the ops selective regions keep, `offloaded`: the storages copied to host memory, as the plan's
+    own figures count them. With offloads, `host` is the copy streams' work: after each event, the bytes of
+    offloaded activations off the device (copied out in the forward, not yet fetched back)."""
+    from ..solvers.copies import normalize_offloaded, timing
+    from ..solvers.plans import normalize_regions, normalize_saved
     from ..solvers.simulate import simulate
 
-    sim = simulate(problem, regions, saved=tuple(saved), timeline=True)
+    sim = simulate(problem, regions, saved=tuple(saved), offloaded=tuple(offloaded), timeline=True)
     values = [int(b) for _, _, b in sim.timeline]
     phases = [p for p, _, _ in sim.timeline]
-    values, phases = _downsample(values, phases)
-    return {"bytes": values, "phase": phases, "peak_bytes": sim.peak_bytes, "events": len(sim.timeline)}
+    out: dict[str, Any] = {"peak_bytes": sim.peak_bytes, "events": len(sim.timeline)}
+    if offloaded:
+        spans = normalize_regions(problem, regions)
+        kept = normalize_saved(problem, spans, saved)
+        chosen, uses = normalize_offloaded(problem, spans, kept, offloaded)
+        copies = timing(problem, spans, kept, uses)
+        host, step = [], problem.n  # the backward step under way (recompute events run inside one)
+        for phase, node, _ in sim.timeline:
+            if phase == "backward":
+                step = node
+            forward = phase == "forward"
+            host.append(sum(problem.storages[t].nbytes for t in chosen
+                            if (node > copies.free_after[t] if forward else step > copies.fetch[t])))
+        host, _ = _downsample(host, phases)  # the same buckets' maxima as the live bytes'
+        out["host"] = host
+    out["bytes"], out["phase"] = _downsample(values, phases)
+    return out
 
 
 def curve_data(
@@ -113,7 +133,8 @@ def plan_data(
                  "this_plan": True}
         curves[plan.solver] = sorted([*curves[plan.solver], point], key=lambda p: p["peak_bytes"])
     return {
-        "timeline": {"plan": timeline_data(problem, plan.spans(), plan.saved_indices()), "baseline": timeline_data(problem, ())},
+        "timeline": {"plan": timeline_data(problem, plan.spans(), plan.saved_indices(), plan.offloaded_storages()),
+                     "baseline": timeline_data(problem, ())},
         "curves": {
             "solvers": curves,
             "baseline": {"peak_bytes": plan.baseline_peak_bytes, "recompute_s": 0.0, "overhead": 0.0},

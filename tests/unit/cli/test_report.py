@@ -323,3 +323,26 @@ def test_autotune_candidates_are_a_table_of_their_own(made, tmp_path, capsys):
     assert main(["report", str(src), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stats.autotune" in err[0]
+
+
+def test_the_reports_timeline_is_the_plans_with_the_copy_streams():
+    """The report's timeline of an offloading plan peaks at the plan's predicted peak (its offloads counted),
+    and its host series is zero before the first copy, the offloaded bytes at the forward's end, and back to
+    zero once everything is fetched."""
+    from ckpt_planner.cli.report_data import timeline_data
+    from ckpt_planner.solvers import simulate, solve
+
+    from tests.unit.solvers.test_offload import INF, mlp, offloading, smallest
+
+    problem = offloading(mlp(8), INF)
+    budget = (smallest(problem) + simulate(problem).peak_bytes) // 2
+    plan = solve(problem, budget, solver="auto")
+    assert plan.offloaded
+    data = timeline_data(problem, plan.regions, plan.saved, plan.offloaded)
+    assert data["peak_bytes"] == plan.peak_bytes == max(data["bytes"]) <= budget
+    without = timeline_data(problem, plan.regions, plan.saved)
+    assert without["peak_bytes"] > plan.peak_bytes and "host" not in without
+    host, phases = data["host"], data["phase"]
+    assert len(host) == len(data["bytes"]) and host[0] == 0 and host[-1] == 0
+    last_forward = max(i for i, p in enumerate(phases) if p == "forward")
+    assert host[last_forward] == sum(problem.storages[t].nbytes for t in plan.offloaded)

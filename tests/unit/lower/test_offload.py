@@ -246,3 +246,20 @@ def test_optimize_on_a_simulated_bandwidth_plans_offloads_end_to_end(tmp_path, m
     # without a bandwidth the same budget is met by recomputing
     recomputed = optimize(model, x, budget_bytes=budget, profile_config=ProfileConfig(flop_times=True), autotune=False)
     assert recomputed.regions and not recomputed.offloaded and recomputed.predicted_recompute_s > 0
+
+
+def test_a_recompute_plan_stored_for_the_graph_is_not_the_answer_where_copies_are_priced(tmp_path, monkeypatch):
+    """The plan store keys on the graph, the budget and the solver: a recompute-only plan stored by a plan
+    without bandwidth must not be returned to the same graph planned with one (and the other way round)."""
+    monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
+    model, x = mlp()
+    planner = Planner(model, x, profile_config=FAST)
+    budget = planner.problem.fixed_bytes + (planner.no_checkpoint_peak_bytes - planner.problem.fixed_bytes) * 6 // 10
+    config = ProfileConfig()  # measured times and the timing store: where plans are kept for the next run
+    first = optimize(model, x, budget_bytes=budget, profile_config=config, autotune=False)
+    offloading = optimize(model, x, budget_bytes=budget, profile_config=config, autotune=False,
+                          offload_bandwidth=(1e12, 1e12), host_budget_gb=1.0)
+    again = optimize(model, x, budget_bytes=budget, profile_config=config, autotune=False)
+    assert first.regions and not first.offloaded
+    assert offloading.offloaded and not any("kept the plan an earlier run chose" in n for n in offloading.notes)
+    assert (again.regions, again.offloaded) == (first.regions, first.offloaded)

@@ -265,3 +265,4 @@ def test_a_storage_made_inside_its_op_is_never_offloaded():
     with pytest.raises(ProblemError, match=r"offloaded: storage .* \(not copyable\)"):
         simulate(fast_sealed, (), offloaded=(hidden[0],))
     assert sealed.fingerprint() == problem.fingerprint()  # where a copy can start is not the graph's shape
+
