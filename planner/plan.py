@@ -7,7 +7,6 @@ path, the predicted figures and a fingerprint of the graph it was made for.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,19 +14,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
 
-from .errors import CaptureError, InputError, PlanFileError, PlanMismatchError
+from .errors import InputError, PlanFileError
 from .lower.offload import OffloadTarget
+from .plan_check import (
+    FIGURE_TOLERANCE,
+    as_made_for,
+    check_budget,
+    check_figures,
+    matching_capture,
+    refuse_knapsack,
+    several_ranks,
+    step_checked,
+)
 from .plan_schema import check_plan, read_plan_file, write_file
-from .plan_summary import autotune_rows
+from .plan_summary import autotune_rows, fmt_bytes
 
-__all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION", "graph_fingerprint"]
+__all__ = ["Plan", "Region", "SCHEMA", "SCHEMA_VERSION"]
 
 SCHEMA = "ckpt-planner/plan"
 SCHEMA_VERSION = 1
-FIGURE_TOLERANCE = 0.01
-"""How far (a fraction) a loaded plan's recorded peaks may be from their re-simulation on the model."""
 
 
 @dataclass(frozen=True)
@@ -49,54 +55,6 @@ class Region:
     """Nodes whose outputs the region keeps (a selective region; every other node is recomputed)."""
     saved_positions: tuple[int, ...] = ()
     """The same nodes by index in the graph's compute order."""
-
-
-def graph_fingerprint(gm: fx.GraphModule, example: list[Any]) -> str:
-    """Hash of the captured graph: compute nodes, their wiring, constant arguments, the type (and
-    settings) of every called module, and the input shapes.
-
-    Module types count: a GELU swapped for a Tanh keeps the graph's wiring and names (symbolic_trace
-    calls the module by its path) but not the memory or the gradients the plan was made for.
-    """
-    items: list[Any] = []
-    for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method", "call_module", "placeholder", "get_attr"):
-            target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-            item = [n.op, n.name, str(target), [a.name for a in n.all_input_nodes]]
-            constants = [_constant(a) for a in (*n.args, *n.kwargs.values()) if not isinstance(a, fx.Node)]
-            if constants:
-                item.append(constants)
-            if n.op == "call_module":
-                try:
-                    mod = gm.get_submodule(str(n.target))
-                except AttributeError:
-                    mod = None
-                if mod is not None:
-                    item.append(f"{type(mod).__module__}.{type(mod).__qualname__}({mod.extra_repr()})")
-            items.append(item)
-    for t in example:
-        if isinstance(t, torch.Tensor):
-            items.append([list(t.shape), str(t.dtype)])
-    return hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:20]
-
-
-def _constant(value: Any) -> Any:
-    """A node's constant argument as it enters the fingerprint: scalars and strings as they are, other
-    objects (devices, dtypes, memory formats) by type, so a plan made on the meta device fits the real model."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_constant(v) if not isinstance(v, fx.Node) else "node" for v in value]
-    return type(value).__name__
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -180,20 +138,20 @@ class Plan:
         rows = [
             ("model", f"{self.model_name or '-'} ({self.num_nodes} nodes, {self.capture_method})"),
             ("solver", f"{self.solver} (solved in {self.solve_time_s:.2f} s)"),
-            ("budget", _fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none (knee of the curve)"),
+            ("budget", fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none (knee of the curve)"),
             (
                 "peak memory, model as given" if self.stats.get("own_checkpointing") else "peak memory, no checkpointing",
-                f"{_fmt_bytes(self.baseline_peak_bytes)} predicted"
-                + (f", {_fmt_bytes(self.baseline_measured_peak_bytes)} measured" if self.baseline_measured_peak_bytes else ""),
+                f"{fmt_bytes(self.baseline_peak_bytes)} predicted"
+                + (f", {fmt_bytes(self.baseline_measured_peak_bytes)} measured" if self.baseline_measured_peak_bytes else ""),
             ),
             (
                 "peak memory, this plan",
-                f"{_fmt_bytes(self.predicted_peak_bytes)} predicted"
-                + (f", {_fmt_bytes(self.measured_peak_bytes)} measured" if self.measured_peak_bytes else ""),
+                f"{fmt_bytes(self.predicted_peak_bytes)} predicted"
+                + (f", {fmt_bytes(self.measured_peak_bytes)} measured" if self.measured_peak_bytes else ""),
             ),
             (
                 "memory saved",
-                f"{_fmt_bytes(self.saved_bytes)} ({100 * self.saved_bytes / max(1, self.baseline_peak_bytes):.1f} %)",
+                f"{fmt_bytes(self.saved_bytes)} ({100 * self.saved_bytes / max(1, self.baseline_peak_bytes):.1f} %)",
             ),
             (
                 "recompute overhead",
@@ -223,7 +181,7 @@ class Plan:
         if self.offloaded:
             info = self.stats.get("offload") if isinstance(self.stats.get("offload"), dict) else {}
             exposed = info.get("exposed_copy_s")
-            rows.append(("offloaded to host", f"{len(self.offloaded)} activations, {_fmt_bytes(self.offloaded_bytes)}"
+            rows.append(("offloaded to host", f"{len(self.offloaded)} activations, {fmt_bytes(self.offloaded_bytes)}"
                          + (f"; exposed copy time {exposed * 1e3:.1f} ms predicted" if exposed is not None else "")))
         rows += autotune_rows(self.stats)  # autotune's candidates, predicted and measured
         width = max(len(k) for k, _ in rows)
@@ -365,17 +323,17 @@ class Plan:
         group of several ranks, where a step on one rank alone could wait forever on the others'
         collectives (a broadcast plan was checked on the rank that made it).
         """
-        self._refuse_knapsack("rebuild")
+        refuse_knapsack(self, "rebuild")
         return self._rebuild(model, example_inputs, check_step=check_step)
 
     def _rebuild(self, model: torch.nn.Module, example_inputs: Any, *, check_step: bool | None = None) -> torch.nn.Module:
         from .lower.rewrite import rewrite
 
-        model = self._as_made_for(model, example_inputs)
-        cap = self._matching_capture(model, example_inputs)
+        model = as_made_for(self, model, example_inputs)
+        cap = matching_capture(self, model, example_inputs)
         loaded = self.problem is None
         if loaded:
-            self.problem = self.check_figures(model, cap)
+            self.problem = check_figures(self, model, cap)
         else:  # not profiled in this capture: which nodes draw random numbers, from one run
             from .capture.rng import observe_random
             from .capture.trace import flatten_for_graph
@@ -384,7 +342,7 @@ class Plan:
         module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(), offload=self.offloaded)
         if loaded:
             try:
-                self._check_loaded_step(model, module, cap, check_step)
+                step_checked(self, model, module, cap, check_step)
             except BaseException:
                 self.problem = None  # refused: the next rebuild checks again
                 raise
@@ -395,191 +353,14 @@ class Plan:
         object.__setattr__(self.module, "shape_guard", guard)  # larger shapes: ShapeError, as for a fresh plan
         return self.module
 
-    def _check_loaded_step(self, model: torch.nn.Module, module: torch.nn.Module, cap: Any,
-                           check_step: bool | None) -> None:
-        """A loaded plan's step against the model's (the safety net), then its measured figures."""
-        from .verification import check_loaded_step, check_measured
-
-        if check_step is None:
-            check_step = not _several_ranks()
-        if check_step:
-            check_loaded_step(self, model, module, cap.args, cap.kwargs)
-        check_measured(self, model, module, cap.args, cap.kwargs)
-
-    def _refuse_knapsack(self, what: str) -> None:
-        """A knapsack-lowered compiled plan has no regions: its saving lives in the compiled partitioner."""
-        compiled = self.stats.get("compiled")
-        if isinstance(compiled, dict) and compiled.get("lowering") == "knapsack":
-            raise InputError(
-                f"{what}: this plan's saving is a choice inside torch.compile's partitioner (knapsack lowering), "
-                "not checkpoint regions; compile the model with ckpt_planner.compile.compiled.compile_saved_plan(model, plan)"
-            )
-
-    def _as_made_for(self, model: torch.nn.Module, example_inputs: Any) -> torch.nn.Module:
-        """`model` as the plan was made for it: returning its loss alone for a plan made with outputs="loss"."""
-        if self.stats.get("outputs") != "loss":
-            return model
-        from .lower.outputs import loss_outputs
-
-        return loss_outputs(model, example_inputs)
-
-    def _matching_capture(self, model: torch.nn.Module, example_inputs: Any) -> Any:
-        """Capture `model`; PlanMismatchError unless its graph is the one the plan was made for.
-
-        An exported plan made on the meta device (a model too large for the planning machine) was made
-        for the graph the meta device gives, the same computation as the real device's but not the same
-        graph: the model is captured as on the meta device (trace.py `capture_as_on_meta`). So is an
-        exported graph that does not match, for a plan file that does not say where it was captured.
-        """
-        from .capture.mutation import compute_nodes
-        from .capture.trace import capture, capture_as_on_meta
-
-        method = self.capture_method if self.capture_method in ("symbolic_trace", "export") else "auto"
-        if self.capture_method == "export" and self.stats.get("captured_on") == "meta":
-            cap, fp = self._as_planned(capture_as_on_meta(model, example_inputs, method="export"))
-        else:
-            first = capture(model, example_inputs, method=method)
-            cap, fp = self._as_planned(first)
-            if fp != self.fingerprint and first.method == "export" and not first.on_meta:
-                try:
-                    again = self._as_planned(capture_as_on_meta(model, example_inputs, method="export"))
-                except CaptureError:  # not capturable on meta, so not what a plan made there was made for
-                    again = (None, "")
-                if again[1] == self.fingerprint:
-                    cap, fp = again
-        if cap is None:
-            raise PlanMismatchError(f"plan chunked regions do not match this model's graph ({fp})")
-        if fp != self.fingerprint:
-            raise PlanMismatchError(
-                f"plan fingerprint {self.fingerprint} was made for another model or input shape "
-                f"(this model's graph: {fp}); re-plan with optimize() or `ckpt-planner plan`"
-            )
-        nodes = compute_nodes(cap.graph_module.graph)
-        for r in self.regions:
-            if r.end >= len(nodes) or nodes[r.start].name != r.first_node or nodes[r.end].name != r.last_node:
-                raise PlanMismatchError(f"plan region {r.first_node}..{r.last_node} does not match this model's graph")
-            for i, name in zip(r.saved_positions, r.saved_ops):
-                if i >= len(nodes) or nodes[i].name != name:
-                    raise PlanMismatchError(f"plan saved op {name} does not match this model's graph")
-        names = {n.name for n in nodes}
-        for o in self.offloaded:
-            if o.node not in names:
-                raise PlanMismatchError(f"plan offloaded node {o.node} does not match this model's graph")
-        return cap
-
-    def _as_planned(self, cap: Any) -> tuple[Any, str]:
-        """(`cap` as the plan was made on it, its fingerprint): with the plan's token-wise groups run in
-        chunks (exact=False). (None, why) when those groups do not fit this graph."""
-        if self.stats.get("chunks"):
-            from .lower.chunk import ChunkSpec, chunk_capture
-
-            try:
-                cap = chunk_capture(cap, [ChunkSpec.from_dict(c) for c in self.stats["chunks"]])[0]
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                return None, str(e)
-        return cap, _fingerprint_of(cap)
-
     def check_figures(self, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
-        """Re-profile `model` (captured as `cap`) and re-derive every figure this plan states; returns the Problem.
-
-        Raises PlanMismatchError, naming the field, when one differs from its re-simulation by more than
-        `rel_tol` of it: `baseline_peak_bytes` (the model as given: its own checkpoint calls, found in
-        this capture, else none), `stats.no_checkpoint_peak_bytes` (no checkpointing at all) and
-        `predicted_peak_bytes` (these regions and kept ops). The file was edited, or the model, inputs or
-        planner changed since it was made. Then PlanMismatchError when the plan is predicted over its own
-        budget (`check_budget`). Bytes are compared, not times (times are measured and vary; here they
-        come from FLOPs). The optimizer state is taken from the file's breakdown (which optimizer the plan
-        assumed is not known here); sharding from its stats.
-        """
-        import dataclasses
-
-        from .capture.own_checkpoint import own_spans
-        from .distributed import shard_problem
-        from .model_state import ModelState
-        from .profile.profiler import ProfileConfig, profile
-        from .solvers.plans import normalize_regions
-        from .solvers.problem import ProblemError
-        from .solvers.simulate import simulate
-
-        with ModelState(model).preserved():
-            # profiled as the plan was: a stage at a time (bounded memory) or the step whole; a plan made on
-            # the meta device on fake tensors there, which are the figures it states (no workspaces, no
-            # generator state in device memory)
-            by_stage = self.stats.get("profile") == "stages"
-            config = ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage, meta=cap.as_on_meta)
-            cost = profile(cap, config, device=torch.device("meta") if cap.as_on_meta else None)
-        problem = cost.to_problem(name=type(model).__name__)
-        dist = self.stats.get("sharding") if isinstance(self.stats.get("sharding"), dict) else {}
-        problem, _ = shard_problem(
-            problem, model, world_size=int(dist.get("world_size", 1)), sharding=dist.get("sharding")
-        )
-        optimizer = self.baseline_breakdown.get("optimizer", self.breakdown.get("optimizer", 0))
-        problem = dataclasses.replace(problem, optimizer_bytes=int(optimizer or 0))
-        nodes = cost.nodes
-        own, _ = own_spans(cap.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes],
-                           [n.recomputable for n in nodes])
-        sources = problem.meta.get("storage_outputs") or ()
-        for o in self.offloaded:  # each offloaded storage is the same node output on this model
-            if not 0 <= o.storage < len(sources) or tuple(sources[o.storage]) != (o.node, o.output):
-                raise PlanMismatchError(f"plan offloaded[{o.storage}]: {o.node} output {o.output} is not that storage "
-                                        "of this model's graph; re-plan with optimize() or `ckpt-planner plan`")
-        if self.offloaded:  # priced at the bandwidths it was planned at (they change no byte figure)
-            info = self.stats.get("offload") if isinstance(self.stats.get("offload"), dict) else {}
-            problem = _with_bandwidth(problem, info)
-        try:
-            spans = normalize_regions(problem, self.spans())
-            plain = simulate(problem, ()).peak_bytes
-            given = simulate(problem, _nested(problem, own)).peak_bytes if own else plain
-            offloaded = {"offloaded": tuple(self.offloaded_storages())} if self.offloaded else {}
-            planned = simulate(problem, spans, saved=self.saved_indices(), **offloaded).peak_bytes
-        except ProblemError as e:
-            raise PlanMismatchError(f"plan regions do not fit this model's graph: {e}") from None
-        figures = [("baseline_peak_bytes", self.baseline_peak_bytes, given),
-                   ("predicted_peak_bytes", self.predicted_peak_bytes, planned)]
-        if "no_checkpoint_peak_bytes" in self.stats:  # the plain step, where the model checkpoints itself
-            figures.insert(1, ("stats.no_checkpoint_peak_bytes", int(self.stats["no_checkpoint_peak_bytes"]), plain))
-        for name, recorded, actual in figures:
-            if abs(recorded - actual) > rel_tol * max(actual, 1):
-                raise PlanMismatchError(
-                    f"plan {name}: the file says {_fmt_bytes(recorded)} ({recorded} bytes) but its regions "
-                    f"re-simulated on this model give {_fmt_bytes(actual)} ({actual} bytes); the plan was edited "
-                    "or the model or planner changed: re-plan with optimize() or `ckpt-planner plan`"
-                )
-        self.check_budget(problem.fixed_bytes)
-        return problem
+        """Re-derive every figure this plan states on `model` (captured as `cap`); returns the Problem
+        (`plan_check.check_figures`: PlanMismatchError naming a field that differs, or a plan over its budget)."""
+        return check_figures(self, model, cap, rel_tol=rel_tol)
 
     def check_budget(self, fixed_bytes: int = 0) -> None:
-        """PlanMismatchError when this plan is predicted over its own `budget_bytes`.
-
-        One exception, as optimize() makes them: autotune measured exactly these regions within the budget
-        (`stats.autotune`), and the prediction is over it by no more than the default safety margin of the
-        activation part (`fixed_bytes`: parameters, inputs, optimizer state). A compiled plan's budget is
-        its compiled step's measured peak, not the eager prediction: it is judged on that figure.
-        """
-        from .lower.apply import measured_fit
-        from .settings import Budget
-
-        budget = self.budget_bytes
-        if budget is None:
-            return
-        compiled = self.stats.get("compiled")
-        if isinstance(compiled, dict):
-            measured = self.measured_peak_bytes
-            if measured is not None and measured > budget:
-                raise PlanMismatchError(
-                    f"plan measured_peak_bytes: {_fmt_bytes(measured)} ({measured} bytes) is over the plan's own "
-                    f"budget_bytes {_fmt_bytes(budget)} ({budget} bytes); re-plan at this budget"
-                )
-            return
-        allowed = budget
-        if measured_fit(self, self.spans()):
-            allowed += int(Budget().safety_margin * max(0, budget - fixed_bytes))
-        if self.predicted_peak_bytes > allowed:
-            raise PlanMismatchError(
-                f"plan predicted_peak_bytes: {_fmt_bytes(self.predicted_peak_bytes)} ({self.predicted_peak_bytes} "
-                f"bytes) is over the plan's own budget_bytes {_fmt_bytes(budget)} ({budget} bytes); a plan over "
-                "its budget is not applied: re-plan at this budget with optimize() or `ckpt-planner plan`"
-            )
+        """PlanMismatchError when this plan is predicted over its own `budget_bytes` (`plan_check.check_budget`)."""
+        check_budget(self, fixed_bytes)
 
     # -- in place ------------------------------------------------------------
     def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False,
@@ -599,7 +380,7 @@ class Plan:
         """
         from .lower.apply import apply_plan, checkpointed_copy
 
-        self._refuse_knapsack("apply")
+        refuse_knapsack(self, "apply")
         if self.stats.get("outputs") == "loss":
             raise InputError("plan.apply: this plan was made with outputs='loss' (the model returning its loss "
                              "alone), which checkpointing the model in place cannot give; use "
@@ -608,8 +389,8 @@ class Plan:
         if self.problem is None and example_inputs is None:
             self.check_budget()
         elif self.problem is None:
-            cap = self._matching_capture(model, example_inputs)
-            self.problem = problem = self.check_figures(model, cap)
+            cap = matching_capture(self, model, example_inputs)
+            self.problem = problem = check_figures(self, model, cap)
             if self.measured_peak_bytes is not None or self.baseline_measured_peak_bytes is not None:
                 from .lower.rewrite import rewrite
                 from .verification import check_measured
@@ -622,7 +403,7 @@ class Plan:
                     self.problem = None
                     raise
             if check_step is None:
-                check_step = not _several_ranks()
+                check_step = not several_ranks()
 
             def check(paths: list[str]) -> None:  # the module-level variant, on a copy: the model is untouched
                 from .verification import check_loaded_step
@@ -686,43 +467,6 @@ def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, 
         stack.append(i)
 
 
-def _fingerprint_of(cap: Any) -> str:
-    from .capture.trace import flatten_for_graph
-
-    return graph_fingerprint(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
-
-
-def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The model's own checkpoint spans that nest properly, in order, as the planner takes them for the
-    model as given (choose/regions.py `laminar`): a span crossing an earlier one is left out."""
-    from .solvers.plans import normalize_regions
-    from .solvers.problem import ProblemError
-
-    kept: list[tuple[int, int]] = []
-    for span in spans:
-        try:
-            kept = list(normalize_regions(problem, [*kept, span]))
-        except ProblemError:
-            continue
-    return tuple(kept)
-
-
-def _with_bandwidth(problem: Any, info: dict[str, Any]) -> Any:
-    """`problem` with the copy bandwidths and host budget a plan's stats record (where the Problem has them)."""
-    import dataclasses
-
-    known = {f.name for f in dataclasses.fields(problem)}
-    values = {k: info[k] for k in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes")
-              if k in known and isinstance(info.get(k), (int, float))}
-    return dataclasses.replace(problem, **values) if values else problem
-
-
-def _several_ranks() -> bool:
-    """Whether a process group of several ranks is running."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _jsonable(obj: Any) -> Any:
     try:
         json.dumps(obj)
@@ -742,9 +486,9 @@ def _compiled_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]
     measured = plan.measured_peak_bytes or 0
     saved = plan.baseline_peak_bytes - measured
     rows = [
-        ("peak memory, this plan", f"{_fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
-         + ("" if lowering == "knapsack" else f"; {_fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
-        ("memory saved", f"{_fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
+        ("peak memory, this plan", f"{fmt_bytes(measured)} measured, compiled ({lowering} lowering)"
+         + ("" if lowering == "knapsack" else f"; {fmt_bytes(plan.predicted_peak_bytes)} predicted for the eager plan")),
+        ("memory saved", f"{fmt_bytes(saved)} ({100 * saved / max(1, plan.baseline_peak_bytes):.1f} %) below the eager "
                          "step without checkpointing (the compiled step without a plan is not measured)"),
     ]
     k = compiled.get("knapsack")
@@ -753,7 +497,7 @@ def _compiled_rows(plan: Any, compiled: dict[str, Any]) -> list[tuple[str, str]]
             ("recompute overhead", f"{k.get('estimated_recompute_s', 0) * 1e3:.1f} ms estimated (FLOP/bytes roofline "
                                    "of the ops the partitioner may recompute)"),
             ("recomputed ops", f"no regions: the partitioner may recompute {k.get('candidates', 0) - k.get('kept_saved', 0)} "
-                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {_fmt_bytes(k.get('saved_bytes', 0))} saved)"),
+                               f"of {k.get('candidates', 0)} ops (our knapsack keeps {fmt_bytes(k.get('saved_bytes', 0))} saved)"),
         ]
     else:
         rows += [

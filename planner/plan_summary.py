@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["autotune_rows"]
+__all__ = ["autotune_rows", "fmt_bytes"]
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes as people read them (GB, MB, KB: powers of ten); "-" for none."""
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def autotune_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..capture.trace import flatten_for_graph
 from ..lower.offload import targets_of
-from ..plan import Plan, Region, graph_fingerprint
+from ..plan import Plan, Region
+from ..plan_check import graph_fingerprint
 from ..profile.graph import CostGraph
 from ..settings import PlanRequest
 from ..solvers.problem import Problem, Solution

@@ -148,7 +148,7 @@ def bench(
     """
     from ..capture.trace import flatten_for_graph, normalize_inputs
     from ..model_state import ModelState
-    from ..plan import graph_fingerprint
+    from ..plan_check import graph_fingerprint
     from ..profile.loss import default_loss
     from ..solvers.registry import InfeasibleBudgetError
     from ..verification import verify

@@ -28,7 +28,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _fmt(n: float) -> str:
-    from ..plan import _fmt_bytes
+    from ..plan_summary import fmt_bytes as _fmt_bytes
 
     return _fmt_bytes(n)
 

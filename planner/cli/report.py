@@ -43,7 +43,7 @@ _OWN_STATS = ("timeline", "curves", "cli", "verify", "autotune")
 
 
 def _fmt_bytes(n: Any) -> str:
-    from ..plan import _fmt_bytes as fmt
+    from ..plan_summary import fmt_bytes as fmt
 
     return fmt(n)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_planner.cli.commands import main
-from ckpt_planner.plan import _fmt_bytes
+from ckpt_planner.plan_summary import fmt_bytes as _fmt_bytes
 
 FACTORY = '''
 import torch
