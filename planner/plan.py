@@ -107,6 +107,15 @@ class Plan:
     def offloaded_bytes(self) -> int:
         return sum(o.nbytes for o in self.offloaded)
 
+    def offload_targets(self) -> tuple[OffloadTarget, ...]:
+        """The offloads as the lowering runs them: their fetch steps re-derived on this plan's Problem where it
+        has one (a file's own steps are never trusted to hold device bytes no longer than predicted)."""
+        if self.problem is None or not self.offloaded:
+            return self.offloaded
+        from .lower.offload import targets_of
+
+        return targets_of(self.problem, self.offloaded_storages(), self.spans(), self.saved_indices())
+
     def offloaded_storages(self) -> list[int]:
         """Storage indices (of the Problem) the plan offloads."""
         return [o.storage for o in self.offloaded]
@@ -298,7 +307,8 @@ class Plan:
                 eager_step_s=float(data.get("eager_step_s", 0.0)),
                 call_overhead_s=float(data.get("call_overhead_s", 0.0)),
                 graph_overhead_s=float(data.get("graph_overhead_s", 0.0)),
-                offloaded=tuple(OffloadTarget(int(o["storage"]), str(o["node"]), int(o["output"]), int(o["bytes"]))
+                offloaded=tuple(OffloadTarget(int(o["storage"]), str(o["node"]), int(o["output"]), int(o["bytes"]),
+                                              int(o.get("fetch_step", -1)), int(o.get("use_step", -1)))
                                 for o in data.get("offloaded", ())),  # absent in files before offload
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -339,7 +349,7 @@ class Plan:
             from .capture.trace import flatten_for_graph
 
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
-        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(), offload=self.offloaded)
+        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(), offload=self.offload_targets())
         if loaded:
             try:
                 step_checked(self, model, module, cap, check_step)
@@ -396,7 +406,7 @@ class Plan:
                 from .verification import check_measured
 
                 exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
-                                offload=self.offloaded)
+                                offload=self.offload_targets())
                 try:  # the figures are those of the plan's own regions (plan.module), measured again
                     check_measured(self, model, exact, cap.args, cap.kwargs)
                 except BaseException:

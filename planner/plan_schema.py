@@ -189,7 +189,8 @@ def _chunk(v: Any, path: str) -> None:
         raise _Bad(f"{path}.nodes", "an empty list (a chunked region runs at least one node)")
 
 
-_OFFLOAD = _obj({"storage": _int(0, MAX_NODES), "node": _NAME, "output": _int(0, 1 << 20), "bytes": _BYTES})
+_OFFLOAD = _obj({"storage": _int(0, MAX_NODES), "node": _NAME, "output": _int(0, 1 << 20), "bytes": _BYTES,
+                 "fetch_step": _int(-1, MAX_NODES), "use_step": _int(-1, MAX_NODES)})
 
 
 def _offloaded(v: Any, path: str) -> None:

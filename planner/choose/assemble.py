@@ -92,7 +92,7 @@ def plan_from_solution(
     base = simulate(problem, tuple(baseline_regions))
     # offloads the graph can lower (node outputs); one made inside an op stays on the device, and the
     # figures say so
-    offload = targets_of(problem, solution.offloaded)
+    offload = targets_of(problem, solution.offloaded, solution.regions, solution.saved)
     extra = {"offloaded": tuple(o.storage for o in offload)} if offload else {}
     sim = simulate(problem, solution.regions, saved=solution.saved, **extra)
     saved = cost.saved_bytes

@@ -569,7 +569,7 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
     def build(regions, saved, paths, offloaded=()) -> torch.nn.Module:
         if paths:
             return checkpointed_copy(model, paths)
-        return rewrite(gm, regions, model=model, saved=saved, offload=targets_of(p.problem, offloaded))
+        return rewrite(gm, regions, model=model, saved=saved, offload=targets_of(p.problem, offloaded, regions, saved))
 
     reference = reference_module(p)
 

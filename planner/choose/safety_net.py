@@ -82,7 +82,7 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
                                "plan with exact=True or report the model")
     for _ in range(3):
         try:
-            offload = targets_of(p.problem, solution.offloaded)  # its offloads run in the check too
+            offload = targets_of(p.problem, solution.offloaded, solution.regions, solution.saved)  # checked too
             verdict = differs(solution.regions, solution.saved, offload) if solution.regions or offload else False
         except _OutOfMemory:
             raise CheckOutOfMemoryError(

@@ -45,7 +45,7 @@ def lower_plan(plan: Any, model: torch.nn.Module, cap: Capture, *, chunked: bool
         return
     with stage("rewrite", f"{len(plan.regions)} checkpoint regions, {len(plan.offloaded)} offloaded activations"):
         plan.module = rewrite(cap.graph_module, plan.spans(), model=model, saved=plan.saved_indices(),
-                              offload=plan.offloaded)
+                              offload=plan.offload_targets())
     planned = input_shapes(cap.args, cap.kwargs)
     guard = ShapeGuard(planned, on_larger_shape, replan, dynamic_dims=cap.dynamic_dims)
     guard.values = values

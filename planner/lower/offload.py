@@ -23,8 +23,9 @@ never offloaded. The hooks are pushed for the forward only; the recompute runs i
 Copies: on CUDA into pinned host buffers on a side stream (it waits for the compute stream, an event marks
 the copy's end, and `record_stream` keeps the device block from reuse until then); fetched back on the same
 stream into a new device tensor that the compute stream waits for. When the backward unpacks one offloaded
-storage, the fetch of the one offloaded just before it (the next the backward needs) starts at once
-(prefetch, one ahead). On the CPU the same hooks run with numpy host buffers (plain host memory, which no
+storage, the fetches of every copy the simulator brings back by that backward step start at once (each
+target's `fetch_step`, from `solvers.copies.timing`), and none sooner: the device bytes are held no
+longer than the plan's peak counts. On the CPU the same hooks run with numpy host buffers (plain host memory, which no
 torch meter counts, as the simulator does not count host memory) and synchronous copies, so tests run them:
 a copy is exact, so gradients stay bitwise. Host buffers are kept per slot and size and reused step after step.
 
@@ -71,19 +72,43 @@ class OffloadTarget:
     output: int
     """Position among the node's strided output tensors (the pytree leaves of its value)."""
     nbytes: int
+    fetch_step: int = -1
+    """The backward step (node index) at whose start the simulator brings it back (`solvers.copies.timing`);
+    the hooks never fetch it earlier, so its device bytes are never held longer than predicted. -1: unknown,
+    fetched when the backward first needs it."""
+    use_step: int = -1
+    """The backward step that first reads it (-1: unknown)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"storage": self.storage, "node": self.node, "output": self.output, "bytes": self.nbytes}
+        steps = {"fetch_step": self.fetch_step, "use_step": self.use_step} if self.fetch_step >= 0 else {}
+        return {"storage": self.storage, "node": self.node, "output": self.output, "bytes": self.nbytes, **steps}
 
 
-def targets_of(problem: Any, offloaded: Sequence[int]) -> tuple[OffloadTarget, ...]:
-    """The node outputs of a Problem's offloaded storages. A storage made inside an op (no output holds it)
-    or one the problem has no record of has no target: it stays on the device."""
+def targets_of(problem: Any, offloaded: Sequence[int], regions: Sequence[tuple[int, int]] = (),
+               saved: Sequence[int] = ()) -> tuple[OffloadTarget, ...]:
+    """The node outputs of a Problem's offloaded storages under the plan (`regions`, `saved`), with the
+    backward steps the simulator fetches and first uses each at. A storage made inside an op (no output
+    holds it) or one the problem has no record of has no target: it stays on the device."""
+    from ..solvers.copies import normalize_offloaded, timing
+    from ..solvers.plans import normalize_regions, normalize_saved
+    from ..solvers.problem import ProblemError
+
     sources = problem.meta.get(STORAGE_OUTPUTS) or ()
+    chosen = sorted(set(int(i) for i in offloaded))
+    fetch: dict[int, int] = {}
+    uses: dict[int, tuple[int, int]] = {}
+    try:  # the schedule the plan was priced at; a set the plan does not keep (tests offload any) has none
+        spans = normalize_regions(problem, regions)
+        kept = normalize_saved(problem, spans, saved)
+        _, uses = normalize_offloaded(problem, spans, kept, chosen)
+        fetch = timing(problem, spans, kept, uses).fetch
+    except ProblemError:
+        fetch, uses = {}, {}
     out = []
-    for s in sorted(set(int(i) for i in offloaded)):
+    for s in chosen:
         if 0 <= s < len(sources) and sources[s][1] >= 0:
-            out.append(OffloadTarget(s, str(sources[s][0]), int(sources[s][1]), int(problem.storages[s].nbytes)))
+            out.append(OffloadTarget(s, str(sources[s][0]), int(sources[s][1]), int(problem.storages[s].nbytes),
+                                     fetch.get(s, -1), uses[s][1] if s in uses else -1))
     return tuple(out)
 
 
@@ -126,6 +151,9 @@ class StepStats:
     """Bytes copied to host."""
     kept: int = 0
     """Saved views of an offloaded storage kept on the device (written in place since its copy)."""
+    fetches: list[tuple[int, int]] = field(default_factory=list)
+    """(slot, backward step) of each fetch in the backward after this forward, in order: the step is the
+    first use of the copy whose unpack started it (-1: unknown)."""
 
 
 class _HostPool:
@@ -146,6 +174,12 @@ class _HostPool:
         self.free.setdefault((slot, nbytes), []).append(buf)
 
 
+def hooks_step_copies(hooks: OffloadHooks) -> list:
+    """The copy list of the forward under way (`_Step.copies`), which every copy of that step shares."""
+    step = _current()
+    return step.copies if step is not None and step.hooks is hooks else []
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The whole storage behind `t` as one uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -161,10 +195,14 @@ class _Copy:
         self.cuda = t.device.type == "cuda"
         self.host = hooks.pool.take(slot, self.nbytes, self.cuda)
         weakref.finalize(self, hooks.pool.give, slot, self.nbytes, self.host)
+        step = _current()
+        self.stats = step.stats if step is not None else None
+        target = hooks.targets[slot]
+        self.fetch_step, self.use_step = target.fetch_step, target.use_step
         self.fetched: torch.Tensor | None = None
         self.ready: Any = None  # the CUDA event that ends the fetch; None once the compute stream waited
-        self.before: weakref.ref[_Copy] | None = None
-        """The copy offloaded just before this one in the forward: the backward needs it next."""
+        self.others: list[weakref.ref[_Copy]] = hooks_step_copies(hooks)
+        """The step's copies, one list shared by all (the backward fetches those due when it first needs this one)."""
         if self.cuda:
             side = hooks.stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))  # the values are written on the compute stream
@@ -174,9 +212,11 @@ class _Copy:
         else:
             self.host[...] = src.numpy()  # numpy: no torch op, so no meter counts host memory
 
-    def fetch(self) -> torch.Tensor:
-        """The device copy, its fetch started if it has not been (no wait here)."""
+    def fetch(self, at: int = -1) -> torch.Tensor:
+        """The device copy, its fetch started if it has not been (no wait here); `at`: the backward step."""
         if self.fetched is None:
+            if self.stats is not None:
+                self.stats.fetches.append((self.slot, at))
             try:
                 dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
                 if self.cuda:
@@ -195,13 +235,18 @@ class _Copy:
         return self.fetched
 
     def tensor(self, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
-        dev = self.fetch()
+        dev = self.fetch(self.use_step)
         if self.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.ready = None
-        before = self.before() if self.before is not None else None
-        if before is not None and self.hooks.prefetch and before.fetched is None:
-            before.fetch()  # one ahead: its copy overlaps this node's backward
+        if self.hooks.prefetch and self.use_step >= 0:
+            # The backward is at this copy's first use: every copy the simulator fetches at this step or an
+            # earlier one of the backward (a higher node index) is due, and only those (a fetch issued sooner
+            # would hold device bytes the plan's peak does not count). Their copies overlap this step's work.
+            for ref in self.others:
+                other = ref()
+                if other is not None and other is not self and other.fetched is None and other.fetch_step >= self.use_step:
+                    other.fetch(self.use_step)
         return torch.empty(0, dtype=dtype, device=self.device).set_(dev.untyped_storage(), offset, size, stride)
 
 
@@ -244,7 +289,8 @@ class _Step:
         self.hooks = hooks
         self.registered: dict[int, _Registered] = {}
         self.window: list[tuple[_Saved, torch.Tensor]] | None = None
-        self.last: _Copy | None = None
+        self.copies: list[weakref.ref[_Copy]] = []
+        """This step's copies, by weak reference: autograd's handles keep them alive, nothing else."""
         self.stats = StepStats()
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -277,9 +323,7 @@ class _Step:
             if key in self.registered and not self.registered[key].ref.expired():
                 continue  # two names for one storage: copied once
             copy = _Copy(self.hooks, slot, t)
-            if self.last is not None:
-                copy.before = weakref.ref(self.last)
-            self.last = copy
+            self.copies.append(weakref.ref(copy))
             self.registered[key] = _Registered(copy, StorageWeakRef(t.untyped_storage()), t._version)
             self.stats.slots.append(slot)
             self.stats.bytes += copy.nbytes
@@ -302,8 +346,8 @@ class OffloadHooks:
 
     @property
     def prefetch(self) -> bool:
-        """Fetch the next needed copy one node ahead: on CUDA, where it overlaps; never on the CPU, where a
-        copy is synchronous and an early fetch would only hold memory sooner."""
+        """Fetch copies when the simulator does, ahead of their use: on CUDA, where the copy overlaps
+        compute; on the CPU only when asked (a copy is synchronous there, so an early fetch gains nothing)."""
         return self.prefetch_setting if self.prefetch_setting is not None else bool(self._streams)
 
     def stream(self, device: torch.device) -> Any:
@@ -327,7 +371,7 @@ class OffloadHooks:
         finally:
             stack.pop()
             step.registered.clear()  # handles hold the copies from here on; nothing else may match
-            step.window, step.last = None, None
+            step.window, step.copies = None, []
             self.last = step.stats
 
     def __deepcopy__(self, memo: dict) -> OffloadHooks:

@@ -263,3 +263,34 @@ def test_a_recompute_plan_stored_for_the_graph_is_not_the_answer_where_copies_ar
     assert first.regions and not first.offloaded
     assert offloading.offloaded and not any("kept the plan an earlier run chose" in n for n in offloading.notes)
     assert (again.regions, again.offloaded) == (first.regions, first.offloaded)
+
+
+def test_prefetches_follow_the_simulated_schedule_and_never_start_sooner():
+    """With prefetch on (as on CUDA), each copy comes back at the first unpack at or below the backward step
+    the simulator fetches it at (`solvers.copies.timing`), never at a step above it, so its device bytes are
+    held no longer than the plan's peak counts; the step stays bitwise and the live peak within prediction."""
+    from ckpt_planner.lower.offload import OffloadHooks
+    from ckpt_planner.solvers import solve
+
+    model, x = tiny_gpt()
+    planner = Planner(model, x, profile_config=FAST, offload_bandwidth=(2e9, 2e9), host_budget_gb=1.0)
+    problem = planner.problem
+    budget = problem.fixed_bytes + (simulate(problem, ()).peak_bytes - problem.fixed_bytes) * 6 // 10
+    solution = solve(problem, budget, "auto")
+    targets = targets_of(problem, solution.offloaded, solution.regions, solution.saved)
+    assert len(targets) >= 2 and all(t.fetch_step >= t.use_step >= 0 for t in targets)
+    assert any(t.fetch_step > t.use_step for t in targets)  # some copies are due before their use
+    module = rewrite(planner.capture.graph_module, solution.regions, model=model, saved=solution.saved,
+                     offload=targets)
+    object.__setattr__(module, "offload_hooks", OffloadHooks(targets, prefetch=True))
+    inputs = x if len(x) > 1 else x[0]
+    assert compare(model, module, inputs) == (True, True, True)
+    fetches = module.offload_hooks.last.fetches
+    assert sorted(slot for slot, _ in fetches) == list(range(len(targets)))  # each fetched once
+    assert all(at <= targets[slot].fetch_step for slot, at in fetches)
+    assert any(at > targets[slot].use_step for slot, at in fetches)  # and some ahead of their own use
+    state = list(model.parameters()) + list(model.buffers())
+    peaks, _ = measure_step_peaks(module, x, {}, list(model.parameters()), state, lambda out: out.sum(),
+                                  torch.device("cpu"))
+    predicted = simulate(problem, solution.regions, saved=solution.saved, offloaded=solution.offloaded).peak_bytes
+    assert peaks.live <= predicted * 1.005
