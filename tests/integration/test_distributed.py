@@ -6,10 +6,11 @@ averaged. Two SGD steps are taken, so the training loop itself is checked.
 """
 
 import copy
+import fcntl
 import json
-import socket
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,15 +27,28 @@ TIMEOUT_S = 240  # a hang fails the test instead of blocking the run
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # allreduce averages in another order: last bits differ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def one_process_group_at_a_time(tmp_path_factory):
+    """pytest-xdist runs two tests at once: two of these tests together (four gloo processes on 2 cores) slow
+    each rank's clock, and the ranks plan on measured times. A lock in the folder the session's workers
+    share (their temporary folders' parent) runs them one at a time."""
+    with (tmp_path_factory.getbasetemp().parent / "process_group.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _run(worker, *args) -> None:
-    """Spawn WORLD ranks of worker(rank, port, *args); fail on error or after TIMEOUT_S."""
-    ctx = mp.start_processes(worker, args=(_free_port(), *args), nprocs=WORLD, join=False, start_method="spawn")
+def _run(worker, rendezvous: Path, *args) -> None:
+    """Spawn WORLD ranks of worker(rank, init_method, *args); fail on error or after TIMEOUT_S.
+
+    The ranks meet through a file of the test's own (`rendezvous`, which must not exist yet), not a TCP
+    port: a port picked free and closed before rank 0 binds it could be taken meanwhile by another test
+    (pytest-xdist runs two at once) or another process on the machine."""
+    assert not rendezvous.exists()
+    init_method = f"file://{rendezvous}"
+    ctx = mp.start_processes(worker, args=(init_method, *args), nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -78,9 +92,9 @@ def _reference_grads(model, shards):
     return grads, buffers
 
 
-def _worker(rank, port, jobs):
+def _worker(rank, init_method, jobs):
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
         for name, paths, plan_dict, case in jobs:
             _train_case(rank, name, paths, plan_dict, case)
         dist.barrier()
@@ -141,7 +155,8 @@ def _train_case(rank, name, paths, plan_dict, case):
 
 
 @pytest.mark.slow  # two gloo processes, DDP and FSDP2: ~20 s on 2 busy cores
-def test_ddp_and_fsdp2_match_single_process_training():
+@pytest.mark.usefixtures("one_process_group_at_a_time")
+def test_ddp_and_fsdp2_match_single_process_training(tmp_path):
     """A transformer with dropout and tied weights, and a CNN with BatchNorm; one pair of processes."""
     jobs = []
     for name in ("tiny_gpt", "cnn"):
@@ -151,7 +166,7 @@ def test_ddp_and_fsdp2_match_single_process_training():
         paths = list(plan.apply(copy.deepcopy(model)).modules)
         for case in (("ddp_module", False), ("ddp_apply", True), ("fsdp_apply", False)):
             jobs.append((name, paths, plan.to_dict(), case))
-    _run(_worker, jobs)
+    _run(_worker, tmp_path / "rendezvous", jobs)
 
 
 def test_sharding_scales_resident_state():
@@ -193,15 +208,15 @@ SLOW_RANK = 1
 SLEEP_S = 0.01  # per call of the slowed layers on SLOW_RANK: its clock says they are expensive
 
 
-def _agree_worker(rank, port, solver):
+def _agree_worker(rank, init_method, solver):
     try:
-        _agree(rank, port, solver)
+        _agree(rank, init_method, solver)
     except BaseException:
         traceback.print_exc()
         raise
 
 
-def _agree(rank, port, solver):
+def _agree(rank, init_method, solver):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -209,7 +224,7 @@ def _agree(rank, port, solver):
     from tests.models.examples import MLPChain
     from tests.models.small import mlp
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     model, inputs = mlp()
     fresh = copy.deepcopy(model)
     if rank == SLOW_RANK:  # the first blocks' leaf layers are slow on this rank only (the graph calls them)
@@ -249,8 +264,9 @@ def _agree(rank, port, solver):
 
 @pytest.mark.slow  # two gloo processes planning: ~40 s on 2 busy cores
 @pytest.mark.parametrize("solver", ["auto"])
-def test_ranks_agree_on_one_plan_with_a_slow_rank(solver):
+@pytest.mark.usefixtures("one_process_group_at_a_time")
+def test_ranks_agree_on_one_plan_with_a_slow_rank(solver, tmp_path):
     """Rank 1 runs three layers slowly: on its own clock it would plan otherwise. Rank 0 plans and
     broadcasts; both ranks hold the same plan, and a DDP and an FSDP2 step with it complete. Rank 0's
     errors are raised on every rank, and a rank whose model differs makes every rank refuse the plan."""
-    _run(_agree_worker, solver)
+    _run(_agree_worker, tmp_path / "rendezvous", solver)

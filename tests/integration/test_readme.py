@@ -7,7 +7,7 @@ import contextlib
 import os
 import re
 import shlex
-import socket
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -52,17 +52,16 @@ def _setup_commands() -> list[str]:
 
 @contextlib.contextmanager
 def _process_group():
-    """A one-process gloo group, for the FSDP2 block."""
+    """A one-process gloo group, for the FSDP2 block. It meets through a file of its own, not a port picked
+    free beforehand, which another test (pytest-xdist runs two at once) could take meanwhile."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -113,7 +113,7 @@ def _rewritten(gm) -> int:
     return sum(n.target is eager_scaled_dot_product_attention for n in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", pytest.param("llama", marks=pytest.mark.slow)])  # llama: ~10 s
 def test_planned_decoder_is_bitwise_with_and_without_checkpointing(kind: str) -> None:
     model, inputs = _decoder(kind), _inputs()
     with warnings.catch_warnings():

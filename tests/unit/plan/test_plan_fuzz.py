@@ -4,7 +4,8 @@ one-line error (exit 2), never a traceback.
 Each example takes the valid plan file the `plan` command wrote, replaces one field at any depth with a
 hostile value (infinity, NaN, a string, a 5,000-digit integer, a lone surrogate, deep nesting, a huge
 string or list, another type), deletes it, or damages the bytes, and hands the file to `Plan.load`,
-`report` (HTML and Markdown), `apply` and `Plan.rebuild` / `load_applied`. 1,050 examples in all.
+`report` (HTML and Markdown), `apply` and `Plan.rebuild` / `load_applied`. 1,050 examples in all: the slow run's `full` cases; the
+default run's `quick` cases draw a fifth as many (210) from the same derandomized stream.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def make():
 '''
 
 OURS = (PlanFileError, PlanMismatchError, InputError)
+
+
+def _examples(full: int):
+    """`examples`, a test's example count: a fifth in the default run, `full` in the slow run (CI runs both)."""
+    return pytest.mark.parametrize("examples", [
+        pytest.param(full // 5, id="quick"),
+        pytest.param(full, id="full", marks=pytest.mark.slow),
+    ])
 
 
 def _fixed(n: int):
@@ -133,8 +142,9 @@ def _cli(argv: list, capsys) -> None:
         assert len(lines) == 1 and lines[0].startswith("ckpt-planner: "), err
 
 
-def test_plan_load(setup):
-    @_fixed(600)
+@_examples(600)
+def test_plan_load(setup, examples):
+    @_fixed(examples)
     @given(st.data())
     def check(data):
         path = _write(setup, data.draw(mutated(setup["data"])))
@@ -146,10 +156,11 @@ def test_plan_load(setup):
     check()
 
 
-def test_report(setup, capsys):
+@_examples(250)
+def test_report(setup, capsys, examples):
     out = setup["dir"] / "report"
 
-    @_fixed(250)
+    @_fixed(examples)
     @given(st.data(), st.sampled_from(["html", "md"]))
     def check(data, fmt):
         path = _write(setup, data.draw(mutated(setup["data"])))
@@ -158,10 +169,11 @@ def test_report(setup, capsys):
     check()
 
 
-def test_apply(setup, capsys):
+@_examples(100)
+def test_apply(setup, capsys, examples):
     out = setup["dir"] / "applied-fuzz"
 
-    @_fixed(100)
+    @_fixed(examples)
     @given(st.data())
     def check(data):
         path = _write(setup, data.draw(mutated(setup["data"])))
@@ -170,14 +182,15 @@ def test_apply(setup, capsys):
     check()
 
 
-def test_rebuild(setup):
+@_examples(100)
+def test_rebuild(setup, examples, tmp_path):
     """Plan.rebuild on the model, and load_applied on an apply folder whose plan.json is the mutated file."""
-    folder = setup["dir"] / "applied-copy"
+    folder = tmp_path / "applied-copy"
     shutil.copytree(setup["dir"] / "applied", folder)
     torch.manual_seed(0)
     model, inputs = MLPChain(d=16, blocks=3), (torch.randn(64, 16),)
 
-    @_fixed(100)
+    @_fixed(examples)
     @given(st.data(), st.booleans())
     def check(data, via_folder):
         raw = data.draw(mutated(setup["data"]))
