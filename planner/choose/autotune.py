@@ -17,7 +17,7 @@ few interleaved training steps:
   whole round cancels, so the band is what tells plans apart, not how busy the machine was;
 * after LEAVE_AFTER rounds, a candidate that does not fit, or whose fastest step is more than LEAVE_BEYOND
   slower than the leader's, is timed no more, and the race ends when one candidate is left: a clear
-  winner costs a few rounds, not all of them (on the Quickstart's GPT-2, 27 model steps before);
+  winner costs a few rounds, not all of them (the Quickstart's GPT-2: 18 model steps, 27 before);
 * the whole costs at most `steps` model steps (default AUTOTUNE_STEPS = 30).
 
 `tune` returns the choice and a JSON record of every candidate's predicted and measured figures (the
