@@ -18,7 +18,7 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu-dry.json").read_text())
     sections = results["sections"]
-    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile"]
+    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload"]
     assert all(s["status"] == "ok" for s in sections.values())
     assert "# On the GPU" in (tmp_path / "gpu-dry.md").read_text()
 
@@ -37,3 +37,17 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     assert "skipped" in sections["tests"]["rows"][0]["summary"]  # the CUDA tests skip without a device
     comp = sections["compile"]["rows"][0]
     assert comp["planned"] and comp["fits"] and comp["ratio"] > 0
+    check_offload_rows(sections["offload"]["rows"])
+
+
+def check_offload_rows(rows: list[dict]) -> None:
+    """The offload section on a simulated bandwidth: both plans made at each point, within the point's budget
+    and bitwise, predicted peaks as measured, and the plans priced with copies offload something."""
+    points = [r for r in rows if r.get("kind") == "point"]
+    assert {r["plan"] for r in points} == {"recompute", "offload"}
+    assert all("infeasible" not in r for r in points), points
+    for r in points:
+        assert r["fits"] and r["grads_bitwise"], r
+        assert abs(r["predicted_peak_bytes"] - r["peak_bytes"]) <= 0.01 * r["peak_bytes"], r
+    assert all(r["offloaded"] == 0 for r in points if r["plan"] == "recompute")
+    assert any(r["offloaded"] > 0 for r in points if r["plan"] == "offload")
