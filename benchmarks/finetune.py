@@ -59,22 +59,6 @@ def examples(steps: int) -> list[dict[str, Any]]:
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g)} for n in lengths]
 
 
-class PadPerBatch:
-    """Pads each batch to its own longest row (pad id 0, attention mask 0, label -100)."""
-
-    def __init__(self, max_length: int | None = None) -> None:
-        self.max_length = max_length
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
-        top = max(len(r["input_ids"]) for r in rows)
-        ids = torch.zeros(len(rows), top, dtype=torch.long)
-        mask = torch.zeros(len(rows), top, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r["input_ids"])] = r["input_ids"]
-            mask[i, : len(r["input_ids"])] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def qwen2():
@@ -124,6 +108,8 @@ def _trainer_run(steps: int, callback, out_dir: str) -> dict[str, Any]:
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=BATCH, use_cpu=True, report_to=[],
         save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )
+    from tests.support.batches import PadPerBatch
+
     callbacks = ([callback] if callback is not None else []) + [Clock()]
     trainer = Recording(model=model, args=args, train_dataset=examples(steps),
                         data_collator=PadPerBatch(max_length=LONGEST), callbacks=callbacks)
@@ -142,6 +128,8 @@ def _lightning_run(steps: int, callback) -> dict[str, Any]:
     import lightning as L
     import torch
     from ckpt_planner.lower.inplace import running_module
+
+    from tests.support.batches import PadPerBatch
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

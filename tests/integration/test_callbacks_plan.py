@@ -18,6 +18,8 @@ import pytest
 import torch
 from ckpt_planner.profile.profiler import ProfileConfig
 
+from tests.support.batches import PadPerBatch
+
 STEPS, BATCH, LONGEST = 10, 4, 120
 # each step's longest sequence: the first batch is short, the longest comes later and again after
 BATCH_MAX = [64, 40, 90, 120, 50, 120, 30, 100, 77, 20]
@@ -34,20 +36,6 @@ def _examples() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-class PadPerBatch:
-    """Pads each batch to its own longest sequence (pad id 0, mask 0, label -100)."""
-
-    def __init__(self, max_length: int | None = None) -> None:
-        self.max_length = max_length
-
-    def __call__(self, rows):
-        top = max(len(r["input_ids"]) for r in rows)
-        ids = torch.zeros(len(rows), top, dtype=torch.long)
-        mask = torch.zeros(len(rows), top, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r["input_ids"])] = r["input_ids"]
-            mask[i, : len(r["input_ids"])] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _qwen():
