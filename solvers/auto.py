@@ -12,8 +12,9 @@ When every MILP backend fails, the plans of the other solvers stand and
 
 Offloading: on a problem that can offload (`Problem.can_offload`: both copy bandwidths and a host
 budget), auto also runs `ilp_offload` (up to `ilp.MAX_NODES` nodes) and adds offloads
-(`offload.choose_offloads`) to the plan without regions and to the best recompute-only plan; the same
-rule picks among all, so the answer is never worse than the recompute-only one. Elsewhere nothing of
+(`offload.choose_offloads`) to the plan without regions, to the best recompute-only plan and to dp's plans
+for looser budgets (`SPLITS`: recompute less, copy the rest); the same rule picks among all, so the
+answer is never worse than the recompute-only one. Elsewhere nothing of
 this runs and the plans are those of a problem without offloading.
 """
 

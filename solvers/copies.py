@@ -85,7 +85,7 @@ def _plan_facts(problem: Problem, regions: tuple[tuple[int, int], ...], saved: t
 def backward_uses(problem: Problem, regions, saved=()) -> dict[int, tuple[int, int]]:
     """{storage: (release, first_use)} for the storages the plan keeps on the device from the forward to the
     backward: release is the backward step after which it is freed (as `simulate` frees it), first_use the
-    latest step that reads it. Regions and saved nodes normalised (`simulate.normalize_regions`/`_saved`)."""
+    latest step that reads it. Regions and saved nodes normalised (`plans.normalize_regions`/`_saved`)."""
     inner, parents, stops, triggers, inputs, _ = _plan_facts(problem, regions, saved)
     fed: dict[int, list[int]] = {}
     for r, ts in enumerate(inputs):

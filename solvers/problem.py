@@ -142,7 +142,7 @@ class Problem:
                     raise ProblemError(f"storages[{s}].saved_by: {k} is not a node at or after the producer")
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes"):
             value = getattr(self, name)
-            if not value >= 0 or value == float("inf") and name == "host_budget_bytes":
+            if not value >= 0 or (name == "host_budget_bytes" and value == float("inf")):
                 raise ProblemError(f"{name}: {value} is not a non-negative number")
 
     @property
@@ -341,7 +341,7 @@ class Solution:
     ones before it. `saved` are nodes inside regions whose outputs are kept
     (a selective region: its other ops are recomputed), ascending. `offloaded`
     are storages the plan keeps from the forward to the backward that it copies
-    to pinned host memory in between (`solvers.offload`), ascending.
+    to pinned host memory in between (`solvers.copies`), ascending.
     """
 
     regions: tuple[tuple[int, int], ...]
@@ -356,7 +356,7 @@ class Solution:
     saved: tuple[int, ...] = ()
     offloaded: tuple[int, ...] = ()
     """Indices into `problem.storages` that the plan offloads, ascending; each one offloadable under the
-    plan (`offload.offloadable`), which `simulate` checks (ProblemError naming `offloaded`)."""
+    plan (`copies.offloadable`), which `simulate` checks (ProblemError naming `offloaded`)."""
 
     @property
     def feasible(self) -> bool:

@@ -21,7 +21,7 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   region's recompute has used them and their last saving node's backward
   is done; the recompute takes them from the cache instead of re-running
   the node, and re-runs every other node up to the region's stop.
-* Offloaded storages (`offloaded`, see `solvers.offload`): a kept storage copied to pinned host
+* Offloaded storages (`offloaded`, see `solvers.copies`): a kept storage copied to pinned host
   memory leaves the device after its last forward reader once its copy is done, comes back at its
   prefetch and is freed at its usual release step; the copy time no compute hides is added to the
   recompute time (`offload_time`).
@@ -89,7 +89,7 @@ class SimResult:
     hook_time: float = 0.0
     """The part of recompute_time that is the regions' saved-tensor hooks. # seconds"""
     offload_time: float = 0.0
-    """The part of recompute_time that is offload copies no compute hides (`offload.timing`). # seconds"""
+    """The part of recompute_time that is offload copies no compute hides (`copies.timing`). # seconds"""
     host_bytes: int = 0
     """Pinned host bytes the offloaded storages hold at the forward's end (all of them at once)."""
 
@@ -111,7 +111,7 @@ def simulate(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: 
     """Predict the peak memory and the recompute time of one training step.
 
     The figures are `replay`'s; with `timeline`, the replay runs and records the bytes after every event.
-    `offloaded`: storages the plan copies to pinned host memory (`offload.offloadable`)."""
+    `offloaded`: storages the plan copies to pinned host memory (`copies.offloadable`)."""
     regions = normalize_regions(problem, regions)
     saved = normalize_saved(problem, regions, saved)
     if timeline or not problem.n or not problem.arrays.nonnegative:
@@ -122,7 +122,7 @@ def simulate(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: 
 
 
 def _offload_timing(problem: Problem, regions, saved, offloaded):
-    """The checked offloads' copy schedule (`offload.timing`), None when there are none."""
+    """The checked offloads' copy schedule (`copies.timing`), None when there are none."""
 
     offloaded, uses = normalize_offloaded(problem, regions, saved, offloaded)
     return timing(problem, regions, saved, uses) if offloaded else None

@@ -32,7 +32,7 @@ Large graphs are coarsened first (runs of nodes merged, cut at cheap cuts);
 every plan is checked with `simulate` on the original problem and the
 budget tightened by the excess when it does not fit.
 
-With `offload` (`ilp_offload`), kept storages get a third state, offloaded (`ilp_offload.OffloadTerms`).
+With `offload` (solver `ilp_offload`), kept storages may also be offloaded (`offload_terms.py`).
 
 Plan space: the flat plans of the MILP, and the known plans of
 `known_plans`: dp's plan for the budget (nested plans reach lower peaks and,
@@ -83,6 +83,7 @@ from .milp_backend import (
     default_backend,
     native_stdout_dropped,
 )
+from .offload_terms import NO_OFFLOAD, OffloadTerms
 from .stages import coarsen
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def _solve_milp(
     """Build and solve the MILP; budget None minimises the peak instead. Returns (regions | None, stats).
 
     `start`: a flat, saver-ended plan that fits, given to the solver as its first incumbent. `offload`: kept
-    storages may also be offloaded (`ilp_offload.OffloadTerms`); the choice is `stats["offloaded"]`.
+    storages may also be offloaded (`offload_terms.OffloadTerms`); the choice is `stats["offloaded"]`.
     """
     import pulp
 
@@ -231,11 +232,7 @@ def _solve_milp(
             ys.append(var)
             prev = var
         y_at[t] = ys
-    off = None
-    if offload:
-        from .offload_terms import OffloadTerms
-
-        off = OffloadTerms(problem, prob, new_var, x, keep, y_at, span, readers, unit, tunit)
+    off = OffloadTerms(problem, prob, new_var, x, keep, y_at, span, readers, unit, tunit) if offload else NO_OFFLOAD
     # W[k]: bytes of forward storages live at backward step k (outputs apart).
     W = []
     for k in range(n):
@@ -271,8 +268,7 @@ def _solve_milp(
             var = new_var(f"f_{j}")
             prob += var == (acc_fw if acc_fw is not None else 0) + pulp.lpSum(freed[j - 1])
             acc_fw = var
-        gone = off.forward(j) if off is not None else 0
-        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes / unit - gone)
+        at_most((acc_fw if acc_fw is not None else 0) + fixed + run + nodes[j].temp_bytes / unit - off.forward(j))
     # Bytes the recompute of a region starting at s keeps at step k: made at >= s, first saver <= k.
     keep_rc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     by_p = [0] * n
@@ -290,7 +286,7 @@ def _solve_milp(
                 keep_rc[k].append((s, acc_s))
     for k in range(n):
         rc = pulp.lpSum(v * cover[(s, k)] for s, v in keep_rc[k])
-        at_most(w_vars[k] + rc + fixed + at[k] + out_bytes - (off.backward(k) if off is not None else 0))
+        at_most(w_vars[k] + rc + fixed + at[k] + out_bytes - off.backward(k))
     # Recompute pass of each candidate, at its trigger e.
     for e in range(n):
         if not ending[e]:
@@ -309,12 +305,10 @@ def _solve_milp(
                 peak = max(peak, live + nodes[j].temp_bytes / unit)
                 live -= frees.pop(j, 0)
             terms.append(peak * x[(s, e)])
-        at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes - (off.backward(e) if off is not None else 0))
+        at_most(w_vars[e] + pulp.lpSum(terms) + fixed + before[e] + out_bytes - off.backward(e))
     # Each region: its recompute time plus the fixed cost of its checkpoint call.
     call = problem.region_overhead_s / tunit
-    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s] + call) * v for (s, e), v in x.items())
-    if off is not None:
-        time_obj = time_obj + off.cost
+    time_obj = pulp.lpSum((prefix[e + 1] - prefix[s] + call) * v for (s, e), v in x.items()) + off.cost
     prob += peak_var if budget is None else time_obj
     if infeasible:
         return None, {"status": "Infeasible"}
@@ -361,7 +355,7 @@ def _solve_milp(
             stats["gap"] = 0.0
         stats["optimal"] = stats.get("gap", 1.0) <= max(gap, 1e-6)
     regions = tuple(sorted(c for c, v in x.items() if (v.value() or 0) > 0.5))
-    if off is not None:
+    if offload:
         stats["offloaded"] = off.chosen()
     if any(b[0] <= a[1] for a, b in zip(regions, regions[1:])):
         raise _BackendFailure(f"status {stats['status']!r} but overlapping regions, not a plan")

@@ -10,7 +10,7 @@ not an output, with bytes, saved by a node or read by one that may start a regio
   its end), monotone in j;
 * off_t[k] <= o_t, 1 - need_t[lo_t(k)], y_t (t kept and released by then): t is off the device at
   backward step k, where lo_t(k) is the first use whose prefetch is issued at k or earlier
-  (`offload.fetch_step`, which depends on the use only);
+  (`copies.fetch_step`, which depends on the use only);
 * forward: t leaves the device after node `free_t`, the node the simulator frees it after when every
   candidate is offloaded (a serial copy stream is never later with fewer copies: conservative);
 * objective: the device-to-host stream's overhang past the forward's end, exact (one constraint per
@@ -33,7 +33,7 @@ from typing import Any
 from ..copies import backward_prefix, fetch_step
 from ..problem import Problem
 
-__all__ = ["OffloadTerms"]
+__all__ = ["OffloadTerms", "NO_OFFLOAD"]
 
 
 class OffloadTerms:
@@ -118,3 +118,21 @@ class OffloadTerms:
 
     def chosen(self) -> tuple[int, ...]:
         return tuple(sorted(t for t, o in self.o.items() if (o.value() or 0) > 0.5))
+
+
+class _NoOffload:
+    """The terms of a MILP without offloading: nothing leaves the device, nothing costs."""
+
+    cost = 0
+
+    def forward(self, j: int) -> int:
+        return 0
+
+    def backward(self, k: int) -> int:
+        return 0
+
+    def chosen(self) -> tuple[int, ...]:
+        return ()
+
+
+NO_OFFLOAD = _NoOffload()
