@@ -15,9 +15,10 @@ leaves the rows it wrote, and the next one starts clean):
   gradients bitwise (fp32) or their largest difference (bf16).
 - `tests`: the tests marked `cuda` (they skip without a device).
 - `compile`: `optimize(compile=True)` at compile@0.5's measured peak, against compile@0.5.
-- `offload`: the ~1B Llama at 0.5x, 0.75x and 1.0x of per-layer checkpointing's measured peak: our best
-  recompute-only plan against ours with offload (host copy bandwidth measured; simulated in the dry run)
-  and transformers' offload option where it has one; peaks, bitwise gradients, predicted and measured steps.
+- `offload`: the ~1B Llama at per-layer checkpointing's measured peak, at the lowest budget recompute
+  alone fits, and halfway from there to the lowest one offload fits: our best recompute-only plan against
+  ours with offload (host copy bandwidth measured; simulated in the dry run) and transformers' offload
+  option where it has one; peaks, bitwise gradients, predicted and measured steps.
 
     python -m benchmarks.gpu                  # on a CUDA device: every section, at most 14 minutes (LIMITS)
     python -m benchmarks.gpu --sections offload,cap,zoo --limits zoo=240   # what a 15-minute device loan holds
@@ -58,11 +59,6 @@ LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170,
           "offload": 240}
 DRY_LIMITS = {"env": 60, "cap": 120, "cap_segments": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240,
               "offload": 240}
-OFFLOAD_FRACTIONS = (0.5, 0.75, 1.0)
-"""The offload section's budgets, as fractions of per-layer checkpointing's measured peak."""
-DRY_OFFLOAD_FRACTIONS = (1.0, 1.15)
-"""The dry run's: its tiny model's head sets a floor near per-layer's peak that offload cannot lower, so
-its offload plans are made above it."""
 DRY_BANDWIDTH = (1e10, 1e10)
 """The dry run's simulated host copy bandwidth (bytes/s each way): the CPU has none to measure."""
 # cap_segments: the cap section again under the allocator setting that stops fragmentation (read when CUDA
@@ -406,8 +402,11 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
 
 
 def section_offload(sizes: dict, dry: bool, emit, log) -> None:
-    """Per-layer checkpointing's peak, then at fractions of it: our best recompute-only plan against ours with
-    offload (bandwidth measured; simulated in the dry run) and transformers' offload where it has one."""
+    """Our best recompute-only plan against ours with offload (bandwidth measured; simulated in the dry
+    run), and transformers' offload where it has one, at the budgets where the choice matters: per-layer
+    checkpointing's measured peak, the lowest budget recompute alone fits, and halfway from there down to the
+    lowest one offload fits. Each point's row is written as soon as it is planned, so a section cut short
+    still says what it planned and how long that took."""
     import torch
     from ckpt_planner.api import Planner
     from ckpt_planner.profile.copy_bandwidth import copy_bandwidth
@@ -442,14 +441,30 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
     # the same graph planned twice: copies priced at 0 bytes/s (never offloads) and at the device's bandwidth
     planners = {"recompute": Planner(model, inputs, offload_bandwidth=(0.0, 0.0)),
                 "offload": Planner(model, inputs, offload_bandwidth=(bw.d2h_bytes_per_s, bw.h2d_bytes_per_s))}
+    floors = {}
+    for label, planner in planners.items():  # a budget no plan meets: refused from the bytes, with the floor
+        try:
+            planner.plan(budget_bytes=1, autotune=False)
+        except InfeasibleBudgetError as e:
+            floors[label] = e.smallest_bytes
+    emit({"kind": "floors", **{f"{k}_floor_bytes": v for k, v in floors.items()}})
+    points: list[tuple[str, int]] = [("per-layer peak", layer_peak)]
+    if "recompute" in floors:
+        points.append(("recompute floor", floors["recompute"]))
+        if floors.get("offload", floors["recompute"]) < floors["recompute"]:
+            points.append(("offload reach", (floors["recompute"] + floors["offload"]) // 2))
     rows: list[tuple[Timer | None, dict]] = []
-    for fraction in DRY_OFFLOAD_FRACTIONS if dry else OFFLOAD_FRACTIONS:
-        budget = int(fraction * layer_peak)
+    for name, budget in points:
         for label, planner in planners.items():
-            row = {"kind": "point", "fraction": fraction, "budget_bytes": budget, "plan": label}
+            if name == "offload reach" and label == "recompute":
+                continue  # below recompute's floor by construction
+            row = {"kind": "point", "point": name, "fraction": round(budget / layer_peak, 4), "budget_bytes": budget,
+                   "plan": label}
             if time_left() < 0.3 * float(os.environ.get("GPU_SECTION_LIMIT", "inf")):  # keep time for the race
                 rows.append((None, {**row, "infeasible": "not planned: the section's time went to the points before"}))
+                emit({**row, "kind": "planned", "infeasible": rows[-1][1]["infeasible"]})
                 continue
+            log(f"offload: planning {label} at {name} ({budget / 1e6:.0f} MB)")
             t1 = time.perf_counter()
             try:
                 plan = planner.plan(budget_bytes=budget, autotune=not dry)  # the dry run checks the path, not the clock
@@ -462,14 +477,15 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
             peak, grads = peak_of(plan.module, model, inputs, device)
             bitwise, diff = same_grads(eager_grads, grads)
             info = plan.stats.get("offload") or {}
-            rows.append((Timer(f"{label} @ {fraction}", plan.module, model, device), {
-                **row, "plan_s": time.perf_counter() - t1, "solver": plan.solver, "regions": len(plan.regions),
-                "offloaded": len(plan.offloaded), "offloaded_bytes": plan.offloaded_bytes,
-                "exposed_copy_s": info.get("exposed_copy_s", 0.0), "predicted_peak_bytes": plan.predicted_peak_bytes,
-                "peak_bytes": peak, "fits": peak <= budget, "grads_bitwise": bitwise, "max_abs_grad_diff": diff,
-                "predicted_step_s": plan.predicted_step_s}))
-            log(f"offload: {label} @ {fraction}: {peak / 1e6:.0f} MB measured, {plan.predicted_peak_bytes / 1e6:.0f} "
-                f"predicted, {len(plan.offloaded)} offloaded")
+            row.update(plan_s=time.perf_counter() - t1, solver=plan.solver, regions=len(plan.regions),
+                       offloaded=len(plan.offloaded), offloaded_bytes=plan.offloaded_bytes,
+                       exposed_copy_s=info.get("exposed_copy_s", 0.0), predicted_peak_bytes=plan.predicted_peak_bytes,
+                       peak_bytes=peak, fits=peak <= budget, grads_bitwise=bitwise, max_abs_grad_diff=diff,
+                       predicted_step_s=plan.predicted_step_s)
+            emit({**row, "kind": "planned"})
+            rows.append((Timer(f"{label} @ {name}", plan.module, model, device), row))
+            log(f"offload: {label} @ {name}: {peak / 1e6:.0f} MB measured, {plan.predicted_peak_bytes / 1e6:.0f} "
+                f"predicted, {len(plan.offloaded)} offloaded, planned in {row['plan_s']:.0f} s")
     timers += [t for t, _ in rows if t is not None]
     race(timers, inputs, s["rounds"], device)
     emit({"kind": "race", "rounds": s["rounds"], "eager_ms": eager.median, "medians_ms": {t.name: t.median for t in timers}})
@@ -590,9 +606,17 @@ def child(section: str, rows_path: Path, dry: bool) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
+    import logging
     import warnings
 
     warnings.filterwarnings("ignore")
+    # the planner's stage lines (capture, profile, solve, check, autotune) with their times, so the log tail
+    # of a section cut short says where its time went
+    stages = logging.StreamHandler(sys.stderr)
+    stages.addFilter(lambda record: record.name == "ckpt_planner")
+    stages.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms  %(message)s"))
+    logging.getLogger("ckpt_planner").addHandler(stages)
+    logging.getLogger("ckpt_planner").setLevel(logging.INFO)
     try:
         globals()[f"section_{section.removesuffix('_segments')}"](sizes, dry, emit, log)
     except Exception as e:
@@ -615,13 +639,13 @@ def run_section(section: str, dry: bool, limit: float, work: Path, zoo_models: s
     status = "ok"
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
-        tail = (done.stderr or "").strip().splitlines()[-20:]
+        tail = (done.stderr or "").strip().splitlines()[-30:]
         if done.returncode != 0:
             status = f"failed (exit {done.returncode})"
     except subprocess.TimeoutExpired as e:
         status = f"out of time after {limit:.0f} s"
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        tail = err.strip().splitlines()[-20:]
+        tail = err.strip().splitlines()[-30:]
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     if any("section_error" in r for r in rows):
         status = "failed"
@@ -653,6 +677,8 @@ def markdown(results: dict) -> str:
            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, transformers {env.get('transformers')}, "
            f"python {env.get('python')}. `{results['command']}`, {results['date']}, {results['seconds']:.0f} s.", "",
            "| section | status | seconds | run |", "|---|---|---|---|"]
+    if results.get("notes"):  # what a merge of several device runs says of them (merge_runs)
+        out[4:4] = [f"- {n}" for n in results["notes"]] + [""]
     for name in [n for n in SECTIONS if n in results["sections"]]:
         sec = results["sections"][name]
         out.append(f"| {name} | {sec['status']} | {sec['seconds']:.0f} | {sec.get('date', results['date'])} |")
@@ -724,25 +750,56 @@ def markdown(results: dict) -> str:
     off = secs.get("offload", {}).get("rows", [])
     setup = next((r for r in off if r.get("kind") == "setup"), None)
     if setup:
-        out += ["", "## Offload against recompute-only, at fractions of per-layer checkpointing's peak", "",
-                f"Llama {setup['shape']}; per-layer peak {_mb(setup['per_layer_peak_bytes'])} MB; host copies "
-                f"{setup['d2h_bytes_per_s'] / 1e9:.1f} GB/s down, {setup['h2d_bytes_per_s'] / 1e9:.1f} GB/s up "
+        out += ["", "## Offload against recompute-only", "",
+                f"Llama {setup['shape']}; per-layer checkpointing's peak {_mb(setup['per_layer_peak_bytes'])} MB; host "
+                f"copies {setup['d2h_bytes_per_s'] / 1e9:.1f} GB/s down, {setup['h2d_bytes_per_s'] / 1e9:.1f} GB/s up "
                 f"({setup['bandwidth_source']}). Step: median, CUDA events, interleaved.", ""]
+        floors = next((r for r in off if r.get("kind") == "floors"), None)
+        if floors:
+            out += [f"Lowest budget each fits: recompute only {_mb(floors.get('recompute_floor_bytes'))} MB, with "
+                    f"offload {_mb(floors.get('offload_floor_bytes'))} MB.", ""]
         out += [f"transformers offload: {r.get('missing') or _mb(r.get('peak_bytes')) + ' MB'}"
                 for r in off if r.get("kind") == "contender"] + [""]
-        out += ["| budget | plan | peak MB | predicted MB | fits | offloaded | step ms | predicted ms | grads bitwise |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for r in [r for r in off if r.get("kind") == "point" and "plan" in r]:
+        out += ["| budget | x per-layer | plan | peak MB | predicted MB | fits | offloaded | step ms | predicted ms "
+                "| grads bitwise | plan s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        timed = {(r.get("point", r.get("fraction")), r["plan"]) for r in off if r.get("kind") == "point" and "plan" in r}
+        # a point planned but never raced (the section ran out of time) still shows what it planned
+        shown = [r for r in off if "plan" in r and (r.get("kind") == "point" or (
+            r.get("kind") == "planned" and (r.get("point", r.get("fraction")), r["plan"]) not in timed))]
+        for r in shown:
+            where = f"| {r.get('point', '-')} | {r['fraction']}x | {r['plan']} "
             if "infeasible" in r:
-                out.append(f"| {r['fraction']}x | {r['plan']} | {r['infeasible']} | | | | | | |")
+                out.append(where + f"| {r['infeasible']} | | | | | | | |")
                 continue
-            out.append(f"| {r['fraction']}x | {r['plan']} | {_mb(r['peak_bytes'])} | {_mb(r['predicted_peak_bytes'])} "
+            step = f"{r['step_ms']:.1f}" if "step_ms" in r else "not raced"
+            out.append(where + f"| {_mb(r['peak_bytes'])} | {_mb(r['predicted_peak_bytes'])} "
                        f"| {'yes' if r['fits'] else 'NO'} | {r['offloaded']} ({_mb(r['offloaded_bytes'])} MB) "
-                       f"| {r.get('step_ms', 0):.1f} | {r.get('predicted_step_ms', 0):.1f} | {'yes' if r['grads_bitwise'] else 'no'} |")
+                       f"| {step} | {r['predicted_step_s'] * 1e3:.1f} | {'yes' if r['grads_bitwise'] else 'no'} "
+                       f"| {r.get('plan_s', 0):.0f} |")
     errors = [(n, r) for n, sec in secs.items() for r in sec.get("rows", []) if "section_error" in r]
     if errors:
         out += ["", "## Errors", ""] + [f"- {n}: {r['section_error']}" for n, r in errors]
     return "\n".join(out) + "\n"
+
+
+def merge_runs(runs: list[Path], out: Path, notes: list[str]) -> Path:
+    """Several device runs' results as one: each section from the last run that has it, each keeping its date.
+
+    A device lends a few minutes per command, so the sections of one set of figures often come from several
+    commands, each writing its own gpu-<kind>.json."""
+    loaded = [json.loads(p.read_text()) for p in runs]
+    merged: dict[str, Any] = {"command": "; ".join(r["command"] for r in loaded), "date": loaded[-1]["date"],
+                              "dry": any(r.get("dry") for r in loaded), "seconds": sum(r.get("seconds", 0) for r in loaded),
+                              "limits_s": loaded[-1].get("limits_s", {}), "sections": {}, "notes": notes}
+    for r in loaded:
+        for name, sec in r["sections"].items():
+            if name == "env" and "env" in merged["sections"] and not sec.get("rows"):
+                continue
+            merged["sections"][name] = {**sec, "date": sec.get("date", r["date"])}
+    kind = kind_of(merged["sections"].get("env", {}).get("rows", []), merged["dry"])
+    (out / f"gpu-{kind}.json").write_text(json.dumps(merged, indent=1, default=str))
+    (out / f"gpu-{kind}.md").write_text(markdown(merged))
+    return out / f"gpu-{kind}.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -752,11 +809,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for gpu-<kind>.{json,md} (default benchmarks/results)")
     ap.add_argument("--limits", default="", help="seconds per section, e.g. frontier=200,compile=120")
     ap.add_argument("--zoo-models", default="", help="comma-separated zoo models (default: every one)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                    help="no run: merge earlier runs' gpu-<kind>.json into --out, later runs' sections winning")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a line said of the merged runs")
     ap.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         return child(a.child, Path(a.rows), a.dry)
+    if a.merge:
+        print(merge_runs(a.merge, Path(a.out) if a.out else RESULTS, a.note).read_text())
+        return 0
     sections = [s for s in a.sections.split(",") if s]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:

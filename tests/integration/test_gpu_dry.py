@@ -51,3 +51,29 @@ def check_offload_rows(rows: list[dict]) -> None:
         assert abs(r["predicted_peak_bytes"] - r["peak_bytes"]) <= 0.01 * r["peak_bytes"], r
     assert all(r["offloaded"] == 0 for r in points if r["plan"] == "recompute")
     assert any(r["offloaded"] > 0 for r in points if r["plan"] == "offload")
+    floors = next(r for r in rows if r.get("kind") == "floors")  # offload only adds choices: never a higher floor
+    assert floors["offload_floor_bytes"] <= floors["recompute_floor_bytes"], floors
+    assert {r["point"] for r in points} >= {"per-layer peak", "recompute floor"}
+
+
+def test_runs_merge_section_by_section_keeping_each_date(tmp_path):
+    """A device lends minutes per command, so one set of figures is merged from several runs."""
+    env = {"status": "ok", "seconds": 1, "rows": [{"device": "NVIDIA H100 80GB HBM3", "torch": "2.11"}]}
+    first = {"command": "a", "date": "d1", "seconds": 10, "sections": {
+        "env": env, "cap": {"status": "ok", "seconds": 2, "rows": [], "date": "d1"},
+        "tests": {"status": "ok", "seconds": 3, "rows": []}}}
+    second = {"command": "b", "date": "d2", "seconds": 20, "sections": {
+        "env": env, "cap": {"status": "out of time after 60 s", "seconds": 60, "rows": [], "date": "d2"}}}
+    paths = []
+    for i, run in enumerate((first, second)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--merge", *map(str, paths), "--out", str(tmp_path),
+                           "--note", "two runs"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = json.loads((tmp_path / "gpu-h100.json").read_text())
+    assert merged["command"] == "a; b" and merged["seconds"] == 30 and merged["notes"] == ["two runs"]
+    assert merged["sections"]["cap"]["status"].startswith("out of time")  # the later run wins
+    assert merged["sections"]["tests"]["date"] == "d1"  # a section only the first run has keeps that run's date
+    md = (tmp_path / "gpu-h100.md").read_text()
+    assert "- two runs" in md and "| tests | ok | 3 | d1 |" in md
