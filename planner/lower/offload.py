@@ -22,7 +22,8 @@ never offloaded. The hooks are pushed for the forward only; the recompute runs i
 
 Copies: on CUDA into pinned host buffers on a side stream (it waits for the compute stream, an event marks
 the copy's end, and `record_stream` keeps the device block from reuse until then); fetched back on the same
-stream into a new device tensor that the compute stream waits for. When the backward unpacks one offloaded
+stream, after the compute work queued so far (the new device tensor's block may have been freed by it), into
+a new device tensor that the compute stream waits for. When the backward unpacks one offloaded
 storage, the fetches of every copy the simulator brings back by that backward step start at once (each
 target's `fetch_step`, from `solvers.copies.timing`), and none sooner: the device bytes are held no
 longer than the plan's peak counts. On the CPU the same hooks run with numpy host buffers (plain host memory, which no
@@ -221,6 +222,9 @@ class _Copy:
                 dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
                 if self.cuda:
                     side = self.hooks.stream(self.device)
+                    # `dev` comes from the compute stream's pool: its block may have been freed by compute work
+                    # still queued, so the copy waits for that work; the simulator starts it here too
+                    side.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(side):  # after this storage's own copy to host, on the same stream
                         dev.copy_(self.host, non_blocking=True)
                     self.ready = torch.cuda.Event()
