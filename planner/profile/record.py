@@ -9,18 +9,27 @@ it here, so neither imports the other for it.
 
 On fake tensors (meta mode) one dispatch mode, `FakeRecorder`, counts storages and FLOPs together,
 and tensors on the meta device become fake CPU tensors (see `fake_of`).
+
+FLOPs come from torch's formulas (torch.utils.flop_counter) with two changes (see `flop_formulas`):
+fused attention with fewer key/value heads than query heads (grouped-query attention, `enable_gqa`)
+is counted on the expanded heads, where torch's formula asserts equal heads in the versions before
+its GQA support (2.11 among them: flash attention takes GQA under bf16 on CUDA); and a formula that
+still raises counts 0 FLOPs for its op, with a warning (`op_flops`): a FLOP count is an estimate,
+never a reason for profiling to fail.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils import flop_counter as torch_flops
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -28,7 +37,10 @@ from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
 from .memory import AllocatorMeter, LiveMemory, autocast_dtypes, fresh_autocast_cache, storage_key, tensor_block_bytes
 
-__all__ = ["AutocastCasts", "CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu", "flop_formulas", "strided_tensors"]
+__all__ = [
+    "AutocastCasts", "CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu",
+    "flop_counter", "flop_formulas", "op_flops", "strided_tensors",
+]
 
 
 def strided_tensors(value: Any) -> list[torch.Tensor]:
@@ -153,7 +165,7 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             prof.seeded = stack.enter_context(SeededOps())
             prof.watch_generators = True
             prof.mem = LiveMemory()
-            prof.flops = FlopCounterMode(display=False) if count_flops else None
+            prof.flops = flop_counter() if count_flops else None
             if prof.flops is not None:
                 stack.enter_context(prof.flops)
             if allocator:
@@ -264,7 +276,7 @@ class FakeRecorder(LiveMemory):
             _NO_DECOMPOSE.add(func)
         out = func(*args, **kwargs)
         if formula is not None:
-            self.total_flops += formula(*args, **kwargs, out_val=out)
+            self.total_flops += op_flops(func._overloadpacket, formula, args, kwargs, out)
         if not self._nested:
             self._track_out(out)
         return out
@@ -288,16 +300,112 @@ def meta_to_cpu(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 _NO_DECOMPOSE: set = set()  # ops found to have no decomposition (and metadata queries)
-_FORMULAS: dict = {}  # op overload packet -> FLOP formula
+_FORMULAS: dict = {}  # op overload packet -> FLOP formula (the fake run's: torch's ops and the CPU fused attention)
+_TORCH_FORMULAS: dict = {}  # op overload packet -> FLOP formula, for the ops torch's own registry has
+_FAILED: set = set()  # ops whose formula raised (warned once each)
+
+# Fused attention ops whose query, key and value are [B, H, S, D] at these argument positions (the
+# forward's first three; the backward's after grad_out). Their kernels take key/value with fewer heads
+# than the query (grouped-query attention), which torch's formula refuses before its GQA support.
+_SDPA_FORWARD = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+_SDPA_BACKWARD = (
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+)
 
 
 def flop_formulas() -> dict:
+    """Op overload packet -> FLOP formula, called as torch's FLOP counter calls it:
+    `formula(*args, out_val=out, **kwargs)`. torch's formulas, with grouped-query attention counted on
+    the expanded heads, and the CPU fused attention kernel counted like CUDA flash attention. A formula
+    may still raise (shapes it does not read): count through `op_flops`, which never does."""
     if not _FORMULAS:
-        from torch.utils.flop_counter import flop_registry
-
         _NO_DECOMPOSE.add(torch.ops.prim.device.default)
-        _FORMULAS.update(flop_registry)
-        flash = flop_registry.get(torch.ops.aten._scaled_dot_product_flash_attention)
-        if flash is not None and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-            _FORMULAS[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = flash
+        formulas = _torch_formulas()
+        _FORMULAS.update(formulas)
+        flash = formulas.get(torch.ops.aten._scaled_dot_product_flash_attention)
+        cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        if flash is not None and cpu is not None:
+            _FORMULAS[cpu] = flash
     return _FORMULAS
+
+
+def _torch_formulas() -> dict:
+    if not _TORCH_FORMULAS:
+        _TORCH_FORMULAS.update(torch_flops.flop_registry)
+        for names, backward in ((_SDPA_FORWARD, False), (_SDPA_BACKWARD, True)):
+            for name in names:
+                packet = getattr(torch.ops.aten, name, None)
+                formula = _TORCH_FORMULAS.get(packet) if packet is not None else None
+                if formula is not None:
+                    _TORCH_FORMULAS[packet] = _gqa_expanded(formula, backward=backward)
+    return _TORCH_FORMULAS
+
+
+def _gqa_expanded(formula: Any, *, backward: bool) -> Any:
+    """`formula` of a fused attention op, except where key/value have fewer heads than the query: there
+    the FLOPs of the same attention with key/value repeated to the query's heads, which is the work the
+    kernel does (and what torch's formula counts where it accepts GQA). `backward`: the op's arguments
+    are (grad_out, query, key, value, ...), else (query, key, value, ...)."""
+    first = 1 if backward else 0
+
+    def flops(*args: Any, out_val: Any = None, **kwargs: Any) -> Any:
+        shapes = _expanded_shapes(args[first:first + 3])
+        if shapes is None:
+            return formula(*args, out_val=out_val, **kwargs)
+        if backward:
+            return torch_flops.sdpa_backward_flop_count(tuple(args[0].shape), *shapes)
+        return torch_flops.sdpa_flop_count(*shapes)
+
+    flops._get_raw = True  # FlopCounterMode(custom_mapping=...) passes it the tensors, as torch's formula
+    return flops
+
+
+def _expanded_shapes(qkv: tuple) -> tuple[tuple, tuple, tuple] | None:
+    """The shapes of query, key, value [B, H, S, D] with key/value's heads repeated to the query's; None
+    unless key/value have fewer heads, a divisor of the query's (other calls keep torch's formula)."""
+    if len(qkv) != 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
+        return None
+    q, k, v = (tuple(t.shape) for t in qkv)
+    heads, kv_heads = q[1], k[1]
+    if kv_heads == heads or kv_heads != v[1] or kv_heads <= 0 or heads % kv_heads != 0:
+        return None
+    return q, (k[0], heads, *k[2:]), (v[0], heads, *v[2:])
+
+
+def op_flops(op: Any, formula: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """`formula`'s FLOPs for one call of `op`; 0 where the formula raises (warned once per op). A FLOP
+    count is an estimate: a node without one is timed by its bytes where times come from FLOPs, and
+    the profile goes on."""
+    try:
+        return formula(*args, **kwargs, out_val=out)
+    except Exception as e:  # noqa: BLE001 - any formula's failure: count nothing, never fail the profile
+        if op not in _FAILED:
+            _FAILED.add(op)
+            first = (str(e).strip().splitlines() or [""])[0]
+            warnings.warn(
+                f"FLOPs of {op} not counted ({type(e).__name__}: {first}): counted as 0, so the time of "
+                "its nodes follows their bytes where it is taken from FLOPs",
+                stacklevel=2,
+            )
+        return 0
+
+
+def flop_counter() -> FlopCounterMode:
+    """torch's FLOP counter for the recording run on real tensors, with `flop_formulas`' formulas for
+    torch's own ops (GQA attention on the expanded heads), each through `op_flops`, so no formula
+    fails the run."""
+
+    def safe(op: Any, formula: Any) -> Any:
+        def flops(*args: Any, out_val: Any = None, **kwargs: Any) -> Any:
+            return op_flops(op, formula, args, kwargs, out_val)
+
+        flops._get_raw = True
+        return flops
+
+    return FlopCounterMode(display=False, custom_mapping={op: safe(op, f) for op, f in _torch_formulas().items()})
