@@ -29,6 +29,15 @@ compared as symbolic expressions, never guarded. `eager_scaled_dot_product_atten
 Under torch.compile the mask is kept (the exported graph's own semantics: nothing data-dependent to
 break the graph). On fake or meta tensors (planning without data) the mask is dropped wherever eager
 could drop it: planned as for a batch without padding.
+
+Relative position bias (T5, mT5, UMT5, LongT5, Switch, Pop2Piano, UDOP). `create_position_bias_mask`
+folds the bias [1, H, Q, K] into SDPA's float mask. Where eager dropped the boolean mask it passes the
+bias itself (a causal attention: `where` with a [1, 1, Q, K] causal mask); the exported graph keeps the
+mask [B, 1, Q, K] and passes `where(mask, bias, min)` [B, H, Q, K]. The values agree, and in float32
+so do the gradients; under bf16 autocast they do not: SDPA casts its mask to bf16, so eager sums the
+bias's gradient over the batch before that cast's backward and the graph after it (the relative
+attention bias weights then differ by ~1e-4). `match_eager_attention` rewrites such a `where` into
+`eager_position_bias_mask`, which takes eager's decision on the actual mask in the same way.
 """
 
 from __future__ import annotations
@@ -48,10 +57,13 @@ __all__ = [
     "recording_mask_skips",
     "match_eager_attention",
     "eager_attention_mask",
+    "eager_position_bias_mask",
     "eager_scaled_dot_product_attention",
 ]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_WHERE = (torch.ops.aten.where.self, torch.ops.aten.where.ScalarOther)
+_CONTIGUOUS = torch.ops.aten.contiguous.default
 # Where eager transformers reads mask values to drop the mask (all in transformers.masking_utils).
 _SKIP_FUNCTIONS = {
     "causal": "_ignore_causal_mask_sdpa",
@@ -143,6 +155,53 @@ def eager_attention_mask(
     if lower is not None and torch.equal(mask, lower.expand_as(mask)):
         return None
     return mask
+
+
+def eager_position_bias_mask(
+    mask: torch.Tensor,
+    position_bias: torch.Tensor,
+    fill: torch.Tensor | float,
+    *,
+    causal: bool,
+    bidirectional: bool,
+    window: int | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA's float mask as transformers' `create_position_bias_mask` makes it from the boolean `mask`
+    [B, 1, Q, K] and `position_bias` [1|B, H, Q, K]: where eager drops the mask (`eager_attention_mask`),
+    the bias itself, or, for a causal attention (`is_causal`), the bias under a [1, 1, Q, K] causal mask,
+    so that its gradient is summed over the batch where eager sums it; else `where(mask, bias, fill)`."""
+    kept = eager_attention_mask(mask, causal=causal, bidirectional=bidirectional, window=window)
+    if kept is not None:
+        out = torch.where(kept, position_bias, fill)
+    elif is_causal:
+        q, k = mask.shape[-2], mask.shape[-1]
+        rows, cols = torch.arange(q, device=mask.device), torch.arange(k, device=mask.device)
+        out = torch.where((rows[:, None] >= cols[None, :]).view(1, 1, q, k), position_bias, fill)
+    else:
+        out = position_bias
+    return out.contiguous()  # as eager: a bias view (T5's permuted embedding) is copied here
+
+
+def _position_bias_where(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the `where(bool mask, bias, fill)` node that makes SDPA's float `mask`, its boolean mask) where
+    `mask` is that node, or its `contiguous`, and nothing else reads them; else None."""
+    node = mask
+    if isinstance(node, fx.Node) and node.target is _CONTIGUOUS:
+        if set(node.users) != {sdpa}:
+            return None
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target not in _WHERE or len(node.args) != 3:
+        return None
+    cond, bias = node.args[0], node.args[1]
+    if set(node.users) != {mask if mask is not node else sdpa}:
+        return None
+    if not isinstance(cond, fx.Node) or getattr(cond.meta.get("val"), "dtype", None) != torch.bool:
+        return None
+    value = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return None
+    return node, cond
 
 
 def eager_scaled_dot_product_attention(
@@ -241,7 +300,8 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
 
 
 def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: list[MaskSkip]) -> int:
-    """Rewrite the SDPA nodes of transformers attention whose mask eager may drop; return how many.
+    """Rewrite the SDPA nodes of transformers attention whose mask eager may drop (and the `where` that folds
+    a relative position bias into such a mask); return how many.
 
     `model` is the module that was exported (to find each node's attention module), `skips` the
     mask skips recorded while exporting it.
@@ -263,10 +323,14 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
             module is None
             or not type(module).__module__.startswith("transformers.")
             or not isinstance(mask, fx.Node)
-            or getattr(mask.meta.get("val"), "dtype", None) != torch.bool
             or a["is_causal"]
         ):
             continue
+        bias = None
+        if getattr(mask.meta.get("val"), "dtype", None) != torch.bool:
+            bias = _position_bias_where(mask, node)  # a float mask: only a relative position bias's
+            if bias is None or a["enable_gqa"] or int(getattr(module, "num_key_value_groups", 1) or 1) != 1:
+                continue
         n_rep = 1 if a["enable_gqa"] else int(getattr(module, "num_key_value_groups", 1) or 1)
         keys, values = _unrepeat(a["key"], n_rep), _unrepeat(a["value"], n_rep)
         q_len, kv_len = _length(query), _length(a["key"])
@@ -281,6 +345,24 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
             window = min(s.local_attention_size for s in matching)  # every such mask was local: its size
         causal_ok, bidirectional_ok = "causal" in possible and _same_size(q_len, kv_len), "bidirectional" in possible
         if not (causal_ok or bidirectional_ok):
+            continue
+        if bias is not None:  # SDPA stays: eager calls it with the bias as its mask, not causal, on the heads as they are
+            where, condition = bias
+            with graph.inserting_before(where):
+                new = graph.call_function(
+                    eager_position_bias_mask,
+                    (condition, where.args[1], where.args[2]),
+                    {
+                        "causal": causal_ok,
+                        "bidirectional": bidirectional_ok,
+                        "window": window,
+                        "is_causal": _dropped_mask_is_causal(module, causal_ok, bidirectional_ok),
+                    },
+                )
+            new.meta.update({k: v for k, v in where.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            where.replace_all_uses_with(new)
+            graph.erase_node(where)
+            rewritten += 1
             continue
         key = (mask, causal_ok, bidirectional_ok, window)
         if key not in decided:

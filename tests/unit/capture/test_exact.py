@@ -1,11 +1,15 @@
-"""Exported transformers decoders (Qwen2, Llama: grouped-query attention) train bitwise like eager.
+"""Exported transformers decoders (Qwen2, Llama: grouped-query attention) and T5 (relative position bias
+under bf16 autocast) train bitwise like eager.
 
 The cause this guards (planner/capture/export_exact.py): under torch.export transformers keeps the
 attention mask and repeats the key/value heads, where eager drops an unpadded mask and runs SDPA's
 own GQA kernel; the backward then sums key/value gradients in another order (~1e-8 apart). Each
 test runs one training step of the model and of the captured or planned module from the same state
 and compares outputs, every gradient and every buffer bitwise; one test switches the fix off and
-shows that the same comparison then fails.
+shows that the same comparison then fails. T5 folds its position bias into SDPA's float mask; where eager
+drops the boolean mask it passes the bias [1, H, Q, K] as it is, the exported graph `where(mask, bias, min)`
+[B, H, Q, K]: under bf16 autocast (SDPA casts its mask) the bias's gradient is then summed over the batch
+after the cast's backward instead of before it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ import warnings
 import pytest
 import torch
 from ckpt_planner.api import Planner
-from ckpt_planner.capture.export_exact import eager_attention_mask, eager_scaled_dot_product_attention
+from ckpt_planner.capture import export_exact
+from ckpt_planner.capture.export_exact import (
+    eager_attention_mask,
+    eager_position_bias_mask,
+    eager_scaled_dot_product_attention,
+)
 from ckpt_planner.capture.trace import capture
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile.profiler import ProfileConfig
@@ -208,3 +217,97 @@ def test_eager_attention_mask_decision() -> None:
     meta = causal.to("meta")  # no values: as for a batch without padding, where eager could drop it
     assert eager_attention_mask(meta, causal=True, bidirectional=False) is None
     assert eager_attention_mask(full.to("meta"), causal=True, bidirectional=False) is not None
+
+
+def _t5():
+    config = transformers.T5Config(
+        num_layers=1, num_decoder_layers=1, d_model=64, d_ff=128, d_kv=32, num_heads=2, vocab_size=128,
+        use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).train()
+
+
+def _t5_inputs(mask: str) -> dict:
+    torch.manual_seed(1)
+    inputs = {"input_ids": torch.randint(0, 128, (2, 24)), "labels": torch.randint(0, 128, (2, 16))}
+    if mask == "padded":
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][1, 18:] = 0  # right padding in the second sequence
+    return inputs
+
+
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _t5_grad_diff(model, module, inputs) -> tuple[bool, float]:
+    """Under bf16 autocast (the backward after the block, as a training loop runs it): outputs and buffers
+    bitwise equal, and the max |gradient difference|."""
+    results = []
+    for m in (model, module):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        with _bf16():
+            out = m(**inputs)
+            loss = default_loss(out)
+        loss.backward()
+        results.append((out.logits.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    for p in model.parameters():
+        p.grad = None
+    (o1, g1), (o2, g2) = results
+    return torch.equal(o1, o2), max((g1[n] - g2[n]).abs().max().item() for n in g1)
+
+
+@pytest.mark.parametrize("captured_with,run_with", [("none", "none"), ("padded", "padded")])
+def test_t5_position_bias_is_eager_under_bf16(captured_with: str, run_with: str) -> None:
+    """Encoder (bidirectional), decoder (causal) and cross attention: the graph's bias mask is eager's."""
+    model = _t5()
+    with _bf16():
+        gm = _captured(model, _t5_inputs(captured_with))
+    assert sum(n.target is eager_position_bias_mask for n in gm.graph.nodes) == 3
+    same, diff = _t5_grad_diff(model, gm, _t5_inputs(run_with))
+    assert same and diff == 0.0, diff
+
+
+def test_t5_without_the_position_bias_fix_differs_under_bf16(monkeypatch) -> None:
+    model = _t5()
+    monkeypatch.setattr(export_exact, "_position_bias_where", lambda mask, sdpa: None)
+    with _bf16():
+        gm = _captured(model, _t5_inputs("none"))
+    assert not any(n.target is eager_position_bias_mask for n in gm.graph.nodes)
+    same, diff = _t5_grad_diff(model, gm, _t5_inputs("none"))
+    assert same and 0 < diff < 1e-2, diff
+
+
+@pytest.mark.slow  # ~30 s: profile and plan
+def test_planned_t5_is_bitwise_under_bf16() -> None:
+    """The zoo's failure: under bf16 the plan's check found every region of T5 inexact (the graph was)."""
+    model, inputs = _t5(), _t5_inputs("none")
+    with _bf16(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs, profile_config=ProfileConfig(flop_times=True))
+        try:
+            plan = planner.plan(solver="dp", activation_budget=0.5)
+        except InfeasibleBudgetError as e:
+            plan = planner.plan(solver="dp", budget_bytes=e.smallest_bytes)
+        assert plan.regions and not any("differed" in note for note in plan.notes), plan.notes
+        report = verify(model, plan, inputs, repeats=1)
+    assert report.outputs_equal and report.grads_equal and report.max_abs_grad_diff == 0.0
+
+
+def test_eager_position_bias_mask_decision() -> None:
+    torch.manual_seed(0)
+    bias = torch.randn(1, 2, 4, 4)  # [1, H, Q, K]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 1, 4, 4)  # [B, 1, Q, K]
+    full = torch.ones(3, 1, 4, 4, dtype=torch.bool)
+    padded = full.clone()
+    padded[1, :, :, 3] = False
+    fill = torch.finfo(torch.float32).min
+    same = eager_position_bias_mask(full, bias, fill, causal=False, bidirectional=True)
+    assert same.shape == bias.shape and torch.equal(same, bias)  # eager passes the bias itself
+    lower = eager_position_bias_mask(causal, bias, fill, causal=True, bidirectional=False, is_causal=True)
+    assert lower.shape == bias.shape and torch.equal(lower, torch.where(causal[:1], bias, fill))
+    kept = eager_position_bias_mask(padded, bias, fill, causal=False, bidirectional=True)
+    assert kept.shape == (3, 2, 4, 4) and torch.equal(kept, torch.where(padded, bias, fill))
