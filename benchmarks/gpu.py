@@ -15,6 +15,10 @@ leaves the rows it wrote, and the next one starts clean):
   gradients bitwise (fp32) or their largest difference (bf16).
 - `tests`: the tests marked `cuda` (they skip without a device).
 - `compile`: `optimize(compile=True)` at compile@0.5's measured peak, against compile@0.5.
+- `autocast`: where bf16 autocast's predicted peaks part from the measured ones: zoo models planned at 50 %
+  under bf16 autocast, measured as planned, with the backward on the calling thread (autograd's device thread
+  runs the recompute's autocast block outermost, whose exit empties autocast's cache of weight copies) and
+  with checkpoint's early stop off.
 - `offload`: the ~1B Llama at per-layer checkpointing's measured peak, at the lowest budget recompute
   alone fits, and halfway from there to the lowest one offload fits: our best recompute-only plan against
   ours with offload (host copy bandwidth measured; simulated in the dry run) and transformers' offload
@@ -51,14 +55,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload")
+SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast")
 
 # Seconds each section may take on the device, in the order they run (at most 14 minutes in all). The
 # dry run takes its own, larger limits: it runs on 2 busy CPU cores.
 LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55,
-          "offload": 240}
+          "offload": 240, "autocast": 60}
 DRY_LIMITS = {"env": 60, "cap": 120, "cap_segments": 120, "frontier": 240, "zoo": 180, "tests": 120, "compile": 240,
-              "offload": 240}
+              "offload": 240, "autocast": 180}
 DRY_BANDWIDTH = (1e10, 1e10)
 """The dry run's simulated host copy bandwidth (bytes/s each way): the CPU has none to measure."""
 # cap_segments: the cap section again under the allocator setting that stops fragmentation (read when CUDA
@@ -74,6 +78,7 @@ SIZES = {
         "compile": {**LLAMA_1B, "layers": 4, "rounds": 20},
         "offload": {**LLAMA_1B, "rounds": 10},
         "zoo": None,  # every model
+        "autocast": ("gpt2", "vit", "bert"),
     },
     "dry": {
         "frontier": dict(layers=4, d=64, heads=4, kv=2, ffn=176, vocab=512, batch=2, seq=64, rounds=2, points=(1, 2)),
@@ -81,6 +86,7 @@ SIZES = {
         "compile": dict(layers=2, d=32, heads=2, kv=2, ffn=64, vocab=128, batch=2, seq=32, rounds=2),
         "offload": dict(layers=2, d=64, heads=4, kv=2, ffn=176, vocab=512, batch=2, seq=64, rounds=2),
         "zoo": ("gpt2", "unet"),
+        "autocast": ("gpt2",),
     },
 }
 
@@ -496,6 +502,49 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
         emit(row)
 
 
+def section_autocast(sizes: dict, dry: bool, emit, log) -> None:
+    """Zoo models planned at 50 % under bf16 autocast, their peak measured three ways (see the module doc)."""
+    import torch
+    from ckpt_planner.api import Planner
+    from ckpt_planner.profile.loss import default_loss
+    from ckpt_planner.profile.memory import measure_step_peaks
+    from ckpt_planner.solvers import InfeasibleBudgetError
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from tests.models.zoo import build
+
+    device = _device(dry)
+    for name in sizes["autocast"]:
+        model, inputs = build(name)
+        model, inputs = model.to(device), _to(inputs, device)
+        params = list(model.parameters())
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            planner = Planner(model, inputs)
+            planner.autotune = False
+            try:
+                plan = planner.plan(solver="auto", activation_budget=0.5)
+            except InfeasibleBudgetError as e:
+                plan = planner.plan(solver="auto", budget_bytes=e.smallest_bytes)
+            cap = planner.profiled.capture
+            row = {"model": name, "regions": len(plan.regions), "budget_bytes": plan.budget_bytes,
+                   "predicted_bytes": plan.predicted_peak_bytes,
+                   "cast_bytes": planner.profiled.cost.param_bytes - sum(p.numel() * p.element_size() for p in params)}
+            for label, ctx in (("default", torch.autograd.set_multithreading_enabled(True)),
+                               ("caller_thread", torch.autograd.set_multithreading_enabled(False)),
+                               ("early_stop_off", set_checkpoint_early_stop(False))):
+                with ctx:
+                    peaks, out = measure_step_peaks(plan.module, cap.args, cap.kwargs, params,
+                                                    params + list(model.buffers()), default_loss, device)
+                del out
+                for p in params:
+                    p.grad = None
+                row[f"{label}_bytes"] = int(peaks.allocator)
+        emit(row)
+        log(f"autocast: {name}: predicted {row['predicted_bytes']}, measured {row['default_bytes']}")
+        del model, inputs, planner, plan
+        _free()
+
+
 def _where(limit: int) -> list[str]:
     """The last lines of the traceback being handled, with file paths cut to the package's own."""
     lines = traceback.format_exc().splitlines()[-limit:]
@@ -776,6 +825,18 @@ def markdown(results: dict) -> str:
                        f"| {'yes' if r['fits'] else 'NO'} | {r['offloaded']} ({_mb(r['offloaded_bytes'])} MB) "
                        f"| {step} | {r['predicted_step_s'] * 1e3:.1f} | {'yes' if r['grads_bitwise'] else 'no'} "
                        f"| {r.get('plan_s', 0):.0f} |")
+    auto = [r for r in secs.get("autocast", {}).get("rows", []) if "model" in r]
+    if auto:
+        out += ["", "## bf16 autocast: the peak measured three ways", "",
+                "Error: (predicted - measured) / measured. Caller thread: `torch.autograd.set_multithreading_enabled(False)`; "
+                "early stop off: `torch.utils.checkpoint.set_checkpoint_early_stop(False)`.", "",
+                "| model | regions | predicted KB | weight casts KB | measured KB | caller thread KB | early stop off KB |",
+                "|---|---|---|---|---|---|---|"]
+        for r in auto:
+            cells = [f"{r[k] / 1e3:,.1f} ({(r['predicted_bytes'] - r[k]) / r[k] * 100:+.1f} %)"
+                     for k in ("default_bytes", "caller_thread_bytes", "early_stop_off_bytes")]
+            out.append(f"| {r['model']} | {r['regions']} | {r['predicted_bytes'] / 1e3:,.1f} | {r['cast_bytes'] / 1e3:,.1f} | "
+                       + " | ".join(cells) + " |")
     errors = [(n, r) for n, sec in secs.items() for r in sec.get("rows", []) if "section_error" in r]
     if errors:
         out += ["", "## Errors", ""] + [f"- {n}: {r['section_error']}" for n, r in errors]

@@ -18,7 +18,7 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu-dry.json").read_text())
     sections = results["sections"]
-    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload"]
+    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast"]
     assert all(s["status"] == "ok" for s in sections.values())
     assert "# On the GPU" in (tmp_path / "gpu-dry.md").read_text()
 
@@ -38,6 +38,9 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     comp = sections["compile"]["rows"][0]
     assert comp["planned"] and comp["fits"] and comp["ratio"] > 0
     check_offload_rows(sections["offload"]["rows"])
+    for r in sections["autocast"]["rows"]:  # bf16 autocast on the CPU: the peak as predicted, measured each way
+        for way in ("default_bytes", "caller_thread_bytes", "early_stop_off_bytes"):
+            assert abs(r["predicted_bytes"] - r[way]) <= 0.01 * r[way], r
 
 
 def check_offload_rows(rows: list[dict]) -> None:
