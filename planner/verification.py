@@ -25,15 +25,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture.trace import normalize_inputs
-from .errors import PlanMismatchError
+from .errors import CheckOutOfMemoryError, PlanMismatchError
 from .model_state import ModelState
 from .profile.loss import default_loss  # re-exported: callers import it from here
-from .profile.memory import StepPeaks, measure_step_peaks  # re-exported: callers import them from here
+from .profile.memory import StepPeaks, fresh_autocast_cache, measure_step_peaks  # the first and last re-exported
 from .progress import logger, progress_enabled, stage
 
 __all__ = [
     "Report", "StepPeaks", "verify", "default_loss", "measure_step", "measure_step_peaks", "step_differences",
-    "check_loaded_step", "check_measured", "MEASURED_TOLERANCE",
+    "check_loaded_step", "check_measured", "MEASURED_TOLERANCE", "OUT_OF_MEMORY", "REFERENCE_OUT_OF_MEMORY",
+    "COMPARED_ELEMENTS",
 ]
 
 MEASURED_TOLERANCE = 0.05
@@ -242,25 +243,67 @@ def _verify(model, plan, example_inputs, *, loss_fn, repeats) -> Report:
     )
 
 
-def _digest(t: torch.Tensor) -> tuple:
-    """A tensor's shape, dtype and bytes, hashed: what a bitwise comparison needs of it."""
+def _digest(t: torch.Tensor) -> str:
+    """A hash of a tensor's bytes, read in place where it lives on the host (no copy of its bytes)."""
     h = hashlib.sha256()
     flat = t.contiguous().reshape(-1)
     if flat.numel():
-        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
-    return (tuple(t.shape), t.dtype, h.hexdigest())
+        h.update(flat.view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
 
 
-def _same(a: Any, b: Any, bitwise: bool) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if isinstance(a, tuple):  # digests (bitwise)
-        return a == b
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
+@dataclass(frozen=True)
+class _Held:
+    """A tensor of the first step, kept off the device through the second: its digest when judged bitwise,
+    else its bytes (`data`, a uint8 numpy array) outside torch's allocator, which is what a budget is judged
+    on: host memory beside an accelerator; on the CPU the same memory, but not the allocator's."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    digest: str = ""
+    data: Any = None
+
+
+def _held(t: torch.Tensor | None, bitwise: bool) -> _Held | None:
+    if t is None:
+        return None
+    t = t.detach()
     if bitwise:
-        return torch.equal(a, b)
-    return bool(torch.allclose(a.double(), b.double(), rtol=_rtol(a.dtype), atol=_rtol(a.dtype), equal_nan=True))
+        return _Held(tuple(t.shape), t.dtype, digest=_digest(t))
+    data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    if t.device.type == "cpu":  # the array shares the tensor's memory there
+        data = data.copy()
+    return _Held(tuple(t.shape), t.dtype, data=data)
+
+
+COMPARED_ELEMENTS = 1 << 15
+"""Elements compared at a time: the float64 copies and masks of an allclose stay under a megabyte each,
+whatever the tensor's size, instead of several copies of the largest gradient or output."""
+
+
+def _matches(held: _Held | None, t: torch.Tensor | None) -> bool:
+    """Whether `t` (the second step's) equals the first step's `held`: bitwise, or allclose in its dtype
+    (torch.allclose at `_rtol`, NaN equal to NaN), compared a slice at a time on the host."""
+    if held is None or t is None:
+        return held is None and t is None
+    t = t.detach()
+    if tuple(t.shape) != held.shape or t.dtype != held.dtype:
+        return False
+    if held.data is None:
+        return _digest(t) == held.digest
+    if not t.numel():
+        return True
+    ref = torch.from_numpy(held.data).view(held.dtype)  # [numel], host, no copy
+    got = t.reshape(-1).cpu()  # on an accelerator one tensor at a time comes to the host
+    tol = _rtol(held.dtype)
+    wide = torch.complex128 if held.dtype.is_complex else torch.float64
+    for i in range(0, got.numel(), COMPARED_ELEMENTS):
+        a, b = ref[i:i + COMPARED_ELEMENTS], got[i:i + COMPARED_ELEMENTS]
+        if torch.equal(a, b):
+            continue
+        if not torch.allclose(a.to(wide), b.to(wide), rtol=tol, atol=tol, equal_nan=True):
+            return False
+    return True
 
 
 def _rtol(dtype: torch.dtype) -> float:
@@ -270,6 +313,19 @@ def _rtol(dtype: torch.dtype) -> float:
 OUT_OF_MEMORY = "the step (out of device memory)"
 """What `step_differences` reports alone when the module's step ran out of device memory."""
 
+REFERENCE_OUT_OF_MEMORY = "the reference step (out of device memory)"
+"""What `step_differences` reports alone when the step it compares with ran out of device memory."""
+
+
+def _fresh_step(device: torch.device) -> None:
+    """Start a step as the profile measured one: autocast's cache of parameter casts empty (the other step's
+    casts are not held through this one), and on CUDA no blocks cached by the other step, which would
+    fragment this one's and count against a per-process memory cap."""
+    fresh_autocast_cache()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
 
 def step_differences(
     model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -278,13 +334,15 @@ def step_differences(
     """What differs after one training step of `module` against one of `model` (the model's own
     parameters and buffers, from the same starting state): 'output', parameter and buffer names, or
     the step itself where the module's raises and the model's does not (`[OUT_OF_MEMORY]` where it ran out
-    of device memory). None where the model's own step raises: there is nothing to compare with.
+    of device memory; `[REFERENCE_OUT_OF_MEMORY]` where the model's did). None where the model's own step
+    raises otherwise: there is nothing to compare with.
     bitwise=False judges allclose in the dtype (plans made with exact=False); None: bitwise on the CPU.
     `reference`: the module whose step stands for the model's (the step checkpointed per block, where
     the plain step does not fit the budget); its parameters are the model's.
-    The first step's figures are kept off the device where they can be: a digest of each tensor's bytes
-    when judged bitwise, host copies on an accelerator, so comparing needs no second set of gradients
-    beside the step. The model is left as it was found (buffers, grads, modes, RNG)."""
+
+    Each step holds on the device only its own: the first step's outputs, gradients and buffers are kept off
+    it (`_Held`) before the second starts, whose are compared with them a slice at a time after its backward.
+    The model is left as it was found (buffers, grads, modes, RNG)."""
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     device = next((t.device for _, t in params + buffers), torch.device("cpu"))
@@ -292,11 +350,12 @@ def step_differences(
     with ModelState(model).preserved():
         model.train()
         module.train()
-        start = [b.detach().clone() for _, b in buffers]
+        start = [b.detach().to("cpu", copy=True) for _, b in buffers]  # host: not beside either step
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
         def run(m: torch.nn.Module) -> tuple[list, list, list]:
+            """One step of `m`: its tensor outputs, the parameters' gradients and the buffers after it."""
             with torch.no_grad():
                 for (_, b), v in zip(buffers, start):
                     b.copy_(v)
@@ -305,37 +364,36 @@ def step_differences(
                 torch.cuda.set_rng_state_all(cuda_rng)
             for _, p in params:
                 p.grad = None
+            _fresh_step(device)
             out = m(*args, **kwargs)
             default_loss(out).backward()
-            outs = [kept(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outs = [t.detach() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             del out
-            grads = [None if p.grad is None else kept(p.grad) for _, p in params]
+            grads = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
-            return outs, grads, [kept(b) for _, b in buffers]
-
-        def kept(t: torch.Tensor) -> Any:
-            t = t.detach()
-            if bitwise:
-                return _digest(t)
-            return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+            return outs, grads, [b for _, b in buffers]
 
         try:
-            ref = run(model if reference is None else reference)
+            ref = tuple([_held(t, bitwise) for t in group] for group in run(model if reference is None else reference))
+        except torch.cuda.OutOfMemoryError:
+            return [REFERENCE_OUT_OF_MEMORY]
         except Exception:  # noqa: BLE001 - the model cannot train one step as given: nothing to judge by
             return None
         try:
-            got = run(module)
+            outs, grads, bufs = run(module)
         except torch.cuda.OutOfMemoryError:
             # a step that does not fit says nothing of exactness: the caller decides (safety_net.py)
             return [OUT_OF_MEMORY]
         except Exception as e:  # noqa: BLE001 - a plan whose step fails where the model's runs differs from it
             return [f"the step ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"]
-    differ = []
-    if len(ref[0]) != len(got[0]) or not all(_same(a, b, bitwise) for a, b in zip(ref[0], got[0])):
-        differ.append("output")
-    differ += [name for (name, _), a, b in zip(params, ref[1], got[1]) if not _same(a, b, bitwise)]
-    differ += [name for (name, _), a, b in zip(buffers, ref[2], got[2]) if not _same(a, b, bitwise)]
+        differ = []
+        if len(ref[0]) != len(outs) or not all(_matches(h, t) for h, t in zip(ref[0], outs)):
+            differ.append("output")
+        del outs
+        differ += [name for (name, _), h, t in zip(params, ref[1], grads) if not _matches(h, t)]
+        del grads
+        differ += [name for (name, _), h, t in zip(buffers, ref[2], bufs) if not _matches(h, t)]
     return differ
 
 
@@ -393,6 +451,12 @@ def check_loaded_step(plan: Any, model: torch.nn.Module, module: torch.nn.Module
     plan it returns. A step that cannot be compared is refused too."""
     exact = plan.stats.get("exact") is not False
     found = step_differences(model, module, args, kwargs, bitwise=None if exact else False)
+    if found in ([OUT_OF_MEMORY], [REFERENCE_OUT_OF_MEMORY]):  # says nothing of the plan's regions
+        which = "the plan's step" if found == [OUT_OF_MEMORY] else "the model's own step, which the plan's is checked against,"
+        raise CheckOutOfMemoryError(
+            f"plan: {which} ran out of device memory, so the plan cannot be checked here; free device memory, "
+            "or rebuild with check_step=False to use the plan unchecked"
+        )
     if found is None:
         raise PlanMismatchError(
             "plan: its training step cannot be checked against the model's own, which raises on these inputs "

@@ -23,7 +23,7 @@ from ..lower.rewrite import rewrite
 from ..settings import PlanRequest
 from ..solvers.problem import Solution
 from ..solvers.registry import InfeasibleBudgetError
-from ..verification import OUT_OF_MEMORY, step_differences
+from ..verification import OUT_OF_MEMORY, REFERENCE_OUT_OF_MEMORY, step_differences
 from .budget import reference_over_budget
 from .profiled import Profiled
 from .solve import solve_budget
@@ -58,44 +58,59 @@ def reference_module(p: Profiled) -> torch.nn.Module | None:
 def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | None,
             request: PlanRequest) -> tuple[Solution, list[str]]:
     """`solution` when its step equals the model's, else the plan solved again with what differed
-    forbidden (kept ops, else regions) in `p.problem`, and a note that says so."""
+    forbidden (kept ops, else regions) in `p.problem`, and a note that says so.
+
+    Each checking step holds on the device only its own step (`step_differences` keeps the other's figures
+    on the host): the plan's step within its predicted peak, the reference within its own (the budget where
+    `reference_over_budget` finds it fits, else the note says by how much it was over). The steps that are
+    not the plan's own (the chunked graph with no region, one region at a time) run only to find what is at
+    fault in a plan whose step differs."""
     gm, model, cap = p.capture.graph_module, p.model, p.capture
     reference = reference_module(p)
     over = reference_over_budget(p, budget) if budget is not None else 0
+    against = "the step checkpointed per block" if p.reference_regions else "the model's own step"
     if over:
-        what = "the step checkpointed per block" if p.reference_regions else "the model's own step"
         notes = [*notes, (
-            f"the check ran {what}, predicted {over / 1e6:.1f} MB over the budget, as the device had room for it; "
+            f"the check ran {against}, predicted {over / 1e6:.1f} MB over the budget, as the device had room for it; "
             "check_step=False keeps planning within the budget")]
 
     def differs(regions, saved, offload=()) -> bool | None:
         module = rewrite(gm, regions, model=model, saved=saved, offload=offload)
         found = step_differences(model, module, cap.args, cap.kwargs,
                                  bitwise=None if p.exact else False, reference=reference)
+        if found == [REFERENCE_OUT_OF_MEMORY]:
+            raise CheckOutOfMemoryError(
+                f"the step the plan is checked against ({against}, predicted {p.reference_peak_bytes / 1e9:.3f} GB) ran "
+                "out of device memory: the caching allocator needs room beyond the tensors a step counts; plan for a "
+                "budget about 10 % under the device's limit, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or "
+                "pass check_step=False")
         if found == [OUT_OF_MEMORY]:
             raise _OutOfMemory
         return None if found is None else bool(found)
 
     names = p.names
-    if p.chunks and differs((), ()):
-        raise InexactPlanError("exact=False: the chunked step's gradients are not allclose to the model's; "
-                               "plan with exact=True or report the model")
     for _ in range(3):
         try:
             offload = targets_of(p.problem, solution.offloaded, solution.regions, solution.saved)  # checked too
-            verdict = differs(solution.regions, solution.saved, offload) if solution.regions or offload else False
+            planned = bool(solution.regions or offload or p.chunks)
+            verdict = differs(solution.regions, solution.saved, offload) if planned else False
         except _OutOfMemory:
-            raise CheckOutOfMemoryError(
-                f"the step that checks the plan (predicted {solution.peak_bytes / 1e9:.3f} GB) ran out of device "
-                "memory: the caching allocator needs room beyond the tensors a plan counts; plan for a budget about "
-                "10 % under the device's limit, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pass "
-                "check_step=False") from None
+            raise CheckOutOfMemoryError(_plan_out_of_memory(solution)) from None
         if verdict is None:
             note = "not checked against the model's own step: that step raises as given (its backward fails)"
             return solution, [*notes, note]
         if not verdict:
             return solution, notes
         try:
+            # the chunked graph alone (no region: above the budget) runs only once the plan's step differs
+            if p.chunks and (not (solution.regions or offload) or differs((), ())):
+                raise InexactPlanError("exact=False: the chunked step's gradients are not allclose to the model's; "
+                                       "plan with exact=True or report the model")
+            # a captured graph that differs with no region at all would make every region look at fault
+            if not p.chunks and differs((), ()):
+                raise InexactPlanError(
+                    f"the captured graph's training step differs from {against} with no checkpoint at all: the "
+                    "capture, not the plan, is at fault; try another capture_method or report the model")
             kept_only, bad = inexact_parts(solution.regions, solution.saved, differs)
         except _OutOfMemory:  # a region alone keeps nearly the plain step's activations
             raise CheckOutOfMemoryError(
@@ -123,9 +138,20 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
         except InfeasibleBudgetError as e:
             raise InexactPlanError(f"{notes[-1]}; without them: {e}") from e
         notes += more
-    if solution.regions and differs(solution.regions, solution.saved):
+    try:
+        inexact = bool(solution.regions) and differs(solution.regions, solution.saved)
+    except _OutOfMemory:
+        raise CheckOutOfMemoryError(_plan_out_of_memory(solution)) from None
+    if inexact:
         raise InexactPlanError(
             f"no plan found whose training step equals the model's: {'; '.join(notes[-3:])}; "
             "run the model without checkpointing or report the model"
         )
     return solution, notes
+
+
+def _plan_out_of_memory(solution: Solution) -> str:
+    return (f"the step that checks the plan (predicted {solution.peak_bytes / 1e9:.3f} GB) ran out of device "
+            "memory: the caching allocator needs room beyond the tensors a plan counts; plan for a budget about "
+            "10 % under the device's limit, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pass "
+            "check_step=False")

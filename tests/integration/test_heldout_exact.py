@@ -377,6 +377,26 @@ def test_safety_net_never_returns_an_inexact_plan(blind_to_randomness):
     assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
+def test_a_graph_that_differs_with_no_region_is_blamed_on_the_capture(monkeypatch):
+    """Where the captured graph's own step differs from the model's, every region would look at fault one
+    by one; the safety net says the capture is, instead of forbidding every region."""
+    import importlib
+
+    net = importlib.import_module("ckpt_planner.choose.safety_net")
+    calls = []
+
+    def always_differs(model, module, args, kwargs, **kw):
+        calls.append(module)
+        return ["mlps.0.0.weight"]
+
+    monkeypatch.setattr(net, "step_differences", always_differs)
+    torch.manual_seed(0)
+    model, x = Mixed().train(), torch.randn(8, 16, 32)
+    with pytest.raises(InexactPlanError, match="the capture, not the plan, is at fault"):
+        optimize(model, x, solver="dp", activation_budget=0.8, profile_config=FLOPS)
+    assert len(calls) == 2  # the plan's step, then the graph with no region: no region is tried alone
+
+
 def test_safety_net_says_why_when_no_exact_plan_fits(blind_to_randomness):
     torch.manual_seed(0)
     model, x = RandomCorpus(["dropout"] * 3, d=32).train(), torch.randn(32, 64, 32)
