@@ -474,11 +474,11 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
             t1 = time.perf_counter()
             try:
                 plan = planner.plan(budget_bytes=budget, autotune=not dry)  # the dry run checks the path, not the clock
-            except InfeasibleBudgetError as e:
-                rows.append((None, {**row, "infeasible": str(e).splitlines()[0]}))
-                continue
-            except Exception as e:  # a planning failure at one point is a finding; the race goes on
-                rows.append((None, {**row, "infeasible": f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+            except Exception as e:  # infeasible, or a planning failure at one point: a finding; the race goes on
+                why = (str(e).splitlines()[0] if isinstance(e, InfeasibleBudgetError)
+                       else f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                rows.append((None, {**row, "infeasible": why, "plan_s": time.perf_counter() - t1}))
+                emit({**rows[-1][1], "kind": "planned"})
                 continue
             peak, grads = peak_of(plan.module, model, inputs, device)
             bitwise, diff = same_grads(eager_grads, grads)
@@ -529,10 +529,12 @@ def section_autocast(sizes: dict, dry: bool, emit, log) -> None:
             row = {"model": name, "regions": len(plan.regions), "budget_bytes": plan.budget_bytes,
                    "predicted_bytes": plan.predicted_peak_bytes,
                    "cast_bytes": planner.profiled.cost.param_bytes - sum(p.numel() * p.element_size() for p in params)}
-            for label, ctx in (("default", torch.autograd.set_multithreading_enabled(True)),
-                               ("caller_thread", torch.autograd.set_multithreading_enabled(False)),
-                               ("early_stop_off", set_checkpoint_early_stop(False))):
-                with ctx:
+            # made at each use: set_multithreading_enabled switches the mode when it is made, not entered
+            ways = (("default", contextlib.nullcontext),
+                    ("caller_thread", lambda: torch.autograd.set_multithreading_enabled(False)),
+                    ("early_stop_off", lambda: set_checkpoint_early_stop(False)))
+            for label, way in ways:
+                with way():
                     peaks, out = measure_step_peaks(plan.module, cap.args, cap.kwargs, params,
                                                     params + list(model.buffers()), default_loss, device)
                 del out
