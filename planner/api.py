@@ -39,10 +39,11 @@ from .model_state import ModelState
 from .plan import Plan
 from .profile.bytes_pass import profile_for_planning
 from .profile.graph import CostGraph
+from .profile.memory import allocator_limit
 from .profile.profiler import ProfileConfig
 from .progress import logger, progress_enabled, stage
 from .settings import PlanRequest, Setup
-from .solvers.registry import get_solver
+from .solvers.registry import InfeasibleBudgetError, get_solver
 
 __all__ = ["optimize", "plan_model", "Planner", "plan_compiled"]
 
@@ -190,9 +191,17 @@ class Planner(BasePlanner):
         if budget is None and p.own_regions:
             budget = p.baseline_peak_bytes
             extra.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
+        budget, lowered = within_device_limit(budget, p.cost.device)
+        extra += lowered
         shown = f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)"
         with stage("solve", f"solver {request.solve.solver}, budget {shown}"):
-            solution, notes = solve_budget(p, budget, request)
+            try:
+                solution, notes = solve_budget(p, budget, request)
+            except InfeasibleBudgetError as e:
+                if not lowered:
+                    raise
+                raise InfeasibleBudgetError(e.budget_bytes, e.smallest_bytes, e.solver, p.problem.fixed_bytes,
+                                            detail=f"; {lowered[0]}, which no plan fits") from None
         if p.check and (solution.regions or solution.offloaded or p.chunks):
             with stage("check", "one step of the plan against the model's own"):
                 solution, notes = checked(p, solution, notes, budget, request)
@@ -226,6 +235,20 @@ class Planner(BasePlanner):
     sharding = property(lambda self: self.setup.distributed.sharding)
     baseline_peak_bytes = property(lambda self: self.profiled.baseline_peak_bytes)
     no_checkpoint_peak_bytes = property(lambda self: self.profiled.no_checkpoint_peak_bytes)
+
+
+def within_device_limit(budget: int | None, device: torch.device | str) -> tuple[int | None, list[str]]:
+    """`budget` (bytes), lowered to what the device lets a step's tensors take where that is less, and the
+    note that says so. A budget is judged on allocated bytes, but a device's limit (its memory, or the
+    memory fraction set for the process) binds what the caching allocator reserves, which is more: a plan
+    made right up to that limit runs out of memory in its own check, or in training."""
+    limit = allocator_limit(device)
+    if budget is None or limit is None or limit >= budget:
+        return budget, []
+    note = (f"the budget ({budget / 1e6:.1f} MB) is beyond what the device lets this process's tensors take with "
+            f"the caching allocator's overhead: planned for {limit / 1e6:.1f} MB (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True leaves the allocator less overhead, so more for the step)")
+    return limit, [note]
 
 
 def _call_inputs(args: tuple, kwargs: dict[str, Any]) -> Any:
