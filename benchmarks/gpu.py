@@ -777,16 +777,17 @@ def markdown(results: dict) -> str:
         out += ["", "## Zoo on CUDA at 50 % of activation memory (solver auto)", "",
                 "fp32 under `torch.use_deterministic_algorithms(True)`; bf16 under `torch.autocast`. Error: (predicted - "
                 "`max_memory_allocated` peak) / measured.", "",
-                "| model | precision | budget KB | predicted KB | measured KB | error | within | exact |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| model | precision | budget KB | predicted KB | measured KB | error | within | exact | run |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in zoo:
+            run = r.get("date", "")
             if r.get("failed") or r.get("skipped"):
-                out.append(f"| {r['model']} | {r['precision']} | {r.get('failed') or r.get('skipped')} | | | | | |")
+                out.append(f"| {r['model']} | {r['precision']} | {r.get('failed') or r.get('skipped')} | | | | | | {run} |")
                 continue
             exact = "yes" if r["exact"] else f"no ({r['max_abs_grad_diff']:.1e})"
             out.append(f"| {r['model']} | {r['precision']} | {r['budget_bytes'] / 1e3:,.1f} | {r['predicted_bytes'] / 1e3:,.1f} "
                        f"| {r['measured_bytes'] / 1e3:,.1f} | {_pct(r['prediction_error'])} "
-                       f"| {'yes' if r['within_budget'] else 'NO'} | {exact} |")
+                       f"| {'yes' if r['within_budget'] else 'NO'} | {exact} | {run} |")
     tests = secs.get("tests", {}).get("rows", [])
     if tests:
         out += ["", "## CUDA tests", "", f"`pytest -m cuda` over {', '.join(tests[0]['files'])}: {tests[0]['summary']}"]
@@ -845,8 +846,26 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+ROW_KEYS = {"zoo": ("model", "precision"), "autocast": ("model",)}
+"""Sections whose rows each stand alone (one model each): merged row by row, so that a run that reached a few
+models keeps the earlier runs' figures for the others."""
+
+
+def _merged_rows(earlier: list[dict], later: list[dict], key: tuple[str, ...], date: str) -> list[dict]:
+    """`earlier`'s rows with `later`'s in their place (each dated): a model a later run did not reach keeps
+    its earlier figures; one it reached takes the later figures, whatever they are."""
+    rows = {tuple(r.get(k) for k in key): r for r in earlier}
+    for r in later:
+        k = tuple(r.get(k) for k in key)
+        if r.get("skipped") and k in rows:
+            continue
+        rows[k] = {"date": date, **r}
+    return list(rows.values())
+
+
 def merge_runs(runs: list[Path], out: Path, notes: list[str]) -> Path:
-    """Several device runs' results as one: each section from the last run that has it, each keeping its date.
+    """Several device runs' results as one: each section from the last run that has it (the zoo's and autocast's
+    rows model by model), each keeping its date.
 
     A device lends a few minutes per command, so the sections of one set of figures often come from several
     commands, each writing its own gpu-<kind>.json."""
@@ -858,7 +877,13 @@ def merge_runs(runs: list[Path], out: Path, notes: list[str]) -> Path:
         for name, sec in r["sections"].items():
             if name == "env" and "env" in merged["sections"] and not sec.get("rows"):
                 continue
-            merged["sections"][name] = {**sec, "date": sec.get("date", r["date"])}
+            date = sec.get("date", r["date"])
+            earlier = merged["sections"].get(name)
+            if name in ROW_KEYS and earlier is not None:
+                sec = {**sec, "rows": _merged_rows(earlier["rows"], sec["rows"], ROW_KEYS[name], date)}
+            else:
+                sec = {**sec, "rows": [{"date": date, **row} for row in sec.get("rows", [])]}
+            merged["sections"][name] = {**sec, "date": date}
     kind = kind_of(merged["sections"].get("env", {}).get("rows", []), merged["dry"])
     (out / f"gpu-{kind}.json").write_text(json.dumps(merged, indent=1, default=str))
     (out / f"gpu-{kind}.md").write_text(markdown(merged))
