@@ -36,8 +36,16 @@ bias itself (a causal attention: `where` with a [1, 1, Q, K] causal mask); the e
 mask [B, 1, Q, K] and passes `where(mask, bias, min)` [B, H, Q, K]. The values agree, and in float32
 so do the gradients; under bf16 autocast they do not: SDPA casts its mask to bf16, so eager sums the
 bias's gradient over the batch before that cast's backward and the graph after it (the relative
-attention bias weights then differ by ~1e-4). `match_eager_attention` rewrites such a `where` into
-`eager_position_bias_mask`, which takes eager's decision on the actual mask in the same way.
+attention bias weights then differ by ~1e-4). `match_eager_attention` rewrites such a `where` (and
+the `contiguous` after it, where transformers makes one) into `eager_position_bias_mask`, which takes
+eager's decision on the actual mask in the same way and then calls transformers' own
+`create_position_bias_mask`, so that the mask has eager's layout as well as its values. The layout
+matters on CUDA: SDPA's fused kernels need the mask's last stride to be 1, and the kernels draw their
+dropout differently (a fused kernel from its own Philox offsets, the math path with the dropout op).
+transformers 5.17 passes the bias as T5's permuted embedding view (last stride = heads, so the math
+path), later versions a contiguous copy (a fused kernel); a graph whose mask is laid out otherwise than
+eager's trains with other dropout masks on CUDA while the CPU, always on the math path in training,
+stays bitwise.
 """
 
 from __future__ import annotations
@@ -160,32 +168,35 @@ def eager_attention_mask(
 def eager_position_bias_mask(
     mask: torch.Tensor,
     position_bias: torch.Tensor,
-    fill: torch.Tensor | float,
+    query: torch.Tensor,
+    key: torch.Tensor,
     *,
     causal: bool,
     bidirectional: bool,
     window: int | None = None,
     is_causal: bool = False,
 ) -> torch.Tensor:
-    """SDPA's float mask as transformers' `create_position_bias_mask` makes it from the boolean `mask`
-    [B, 1, Q, K] and `position_bias` [1|B, H, Q, K]: where eager drops the mask (`eager_attention_mask`),
-    the bias itself, or, for a causal attention (`is_causal`), the bias under a [1, 1, Q, K] causal mask,
-    so that its gradient is summed over the batch where eager sums it; else `where(mask, bias, fill)`."""
+    """SDPA's float mask as eager makes it from the boolean `mask` [B, 1, Q, K] and `position_bias`
+    [1|B, H, Q, K]: transformers' own `create_position_bias_mask` on the mask where eager keeps it, and on
+    no mask where eager drops it (`eager_attention_mask`), which gives the bias itself or, for a causal
+    attention (`is_causal`), the bias under a [1, 1, Q, K] causal mask, so that its gradient is summed over
+    the batch where eager sums it.
+
+    transformers' function is called, not copied, for the mask's layout as much as its values: CUDA's SDPA
+    picks its kernel by the mask's strides (the fused kernels need the last one to be 1) and each kernel
+    draws its dropout differently. Some transformers versions pass the bias view as it is (T5's permuted
+    embedding, last stride = heads: the math kernel), later ones copy it contiguous (a fused kernel)."""
+    from transformers.integrations import sdpa_attention
+
     kept = eager_attention_mask(mask, causal=causal, bidirectional=bidirectional, window=window)
-    if kept is not None:
-        out = torch.where(kept, position_bias, fill)
-    elif is_causal:
-        q, k = mask.shape[-2], mask.shape[-1]
-        rows, cols = torch.arange(q, device=mask.device), torch.arange(k, device=mask.device)
-        out = torch.where((rows[:, None] >= cols[None, :]).view(1, 1, q, k), position_bias, fill)
-    else:
-        out = position_bias
-    return out.contiguous()  # as eager: a bias view (T5's permuted embedding) is copied here
+    # as `sdpa_attention_forward`: causal only without a mask and for more than one query
+    causal_kernel = kept is None and is_causal and query.shape[2] > 1
+    return sdpa_attention.create_position_bias_mask(position_bias, kept, causal_kernel, query, key)
 
 
-def _position_bias_where(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(the `where(bool mask, bias, fill)` node that makes SDPA's float `mask`, its boolean mask) where
-    `mask` is that node, or its `contiguous`, and nothing else reads them; else None."""
+def _position_bias_where(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(the `where(bool mask, bias, fill)` node that makes SDPA's float `mask`, its boolean mask, SDPA's mask
+    node: that `where` or its `contiguous`) where nothing else reads them; else None."""
     node = mask
     if isinstance(node, fx.Node) and node.target is _CONTIGUOUS:
         if set(node.users) != {sdpa}:
@@ -201,7 +212,7 @@ def _position_bias_where(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node] | 
     value = bias.meta.get("val") if isinstance(bias, fx.Node) else None
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return None
-    return node, cond
+    return node, cond, mask
 
 
 def eager_scaled_dot_product_attention(
@@ -307,9 +318,11 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
     mask skips recorded while exporting it.
     """
     try:
+        from transformers.integrations import sdpa_attention
         from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa  # noqa: F401
     except ImportError:
         return 0
+    folds_bias = hasattr(sdpa_attention, "create_position_bias_mask")  # what eager_position_bias_mask calls
     graph = gm.graph
     decided: dict[tuple[fx.Node, bool, bool], fx.Node] = {}
     rewritten = 0
@@ -329,7 +342,9 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         bias = None
         if getattr(mask.meta.get("val"), "dtype", None) != torch.bool:
             bias = _position_bias_where(mask, node)  # a float mask: only a relative position bias's
-            if bias is None or a["enable_gqa"] or int(getattr(module, "num_key_value_groups", 1) or 1) != 1:
+            if bias is None or not folds_bias or a["enable_gqa"]:
+                continue
+            if int(getattr(module, "num_key_value_groups", 1) or 1) != 1:
                 continue
         n_rep = 1 if a["enable_gqa"] else int(getattr(module, "num_key_value_groups", 1) or 1)
         keys, values = _unrepeat(a["key"], n_rep), _unrepeat(a["value"], n_rep)
@@ -347,11 +362,14 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         if not (causal_ok or bidirectional_ok):
             continue
         if bias is not None:  # SDPA stays: eager calls it with the bias as its mask, not causal, on the heads as they are
-            where, condition = bias
+            where, condition, made = bias
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if any(not isinstance(n, fx.Node) or order[n] > order[where] for n in (query, a["key"])):
+                continue
             with graph.inserting_before(where):
                 new = graph.call_function(
                     eager_position_bias_mask,
-                    (condition, where.args[1], where.args[2]),
+                    (condition, where.args[1], query, a["key"]),
                     {
                         "causal": causal_ok,
                         "bidirectional": bidirectional_ok,
@@ -359,9 +377,13 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
                         "is_causal": _dropped_mask_is_causal(module, causal_ok, bidirectional_ok),
                     },
                 )
-            new.meta.update({k: v for k, v in where.meta.items() if k in ("nn_module_stack", "stack_trace")})
-            where.replace_all_uses_with(new)
-            graph.erase_node(where)
+            new.meta.update({k: v for k, v in made.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            # The whole of eager's mask (a `contiguous` included, where this transformers makes one) is now
+            # `create_position_bias_mask`'s own, with the layout eager gives it.
+            made.replace_all_uses_with(new)
+            graph.erase_node(made)
+            if made is not where:
+                graph.erase_node(where)
             rewritten += 1
             continue
         key = (mask, causal_ok, bidirectional_ok, window)

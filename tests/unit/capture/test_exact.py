@@ -298,16 +298,26 @@ def test_planned_t5_is_bitwise_under_bf16() -> None:
 
 
 def test_eager_position_bias_mask_decision() -> None:
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+
     torch.manual_seed(0)
-    bias = torch.randn(1, 2, 4, 4)  # [1, H, Q, K]
+    bias = torch.randn(4, 4, 2).permute(2, 0, 1).unsqueeze(0)  # [1, H, Q, K], a view as T5's embedding gives it
+    query = key = torch.randn(3, 2, 4, 8)  # [B, H, T, D]
     causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 1, 4, 4)  # [B, 1, Q, K]
     full = torch.ones(3, 1, 4, 4, dtype=torch.bool)
     padded = full.clone()
     padded[1, :, :, 3] = False
     fill = torch.finfo(torch.float32).min
-    same = eager_position_bias_mask(full, bias, fill, causal=False, bidirectional=True)
+
+    def check(got, mask, is_causal):  # eager's mask: its values, shape and layout
+        want = create_position_bias_mask(bias, mask, is_causal, query, key)
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
+        return got
+
+    same = check(eager_position_bias_mask(full, bias, query, key, causal=False, bidirectional=True), None, False)
     assert same.shape == bias.shape and torch.equal(same, bias)  # eager passes the bias itself
-    lower = eager_position_bias_mask(causal, bias, fill, causal=True, bidirectional=False, is_causal=True)
+    lower = eager_position_bias_mask(causal, bias, query, key, causal=True, bidirectional=False, is_causal=True)
+    check(lower, None, True)
     assert lower.shape == bias.shape and torch.equal(lower, torch.where(causal[:1], bias, fill))
-    kept = eager_position_bias_mask(padded, bias, fill, causal=False, bidirectional=True)
+    kept = check(eager_position_bias_mask(padded, bias, query, key, causal=False, bidirectional=True), padded, False)
     assert kept.shape == (3, 2, 4, 4) and torch.equal(kept, torch.where(padded, bias, fill))
