@@ -24,7 +24,7 @@ from .capture.trace import capture
 from .choose.assemble import plan_record
 from .choose.autotune import WHOLE_MODULES, autotuned, steps_for
 from .choose.base import BasePlanner
-from .choose.budget import check_feasible, plain_step_fits
+from .choose.budget import check_feasible, plain_step_fits, within_device_limit
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
@@ -39,7 +39,6 @@ from .model_state import ModelState
 from .plan import Plan
 from .profile.bytes_pass import profile_for_planning
 from .profile.graph import CostGraph
-from .profile.memory import allocator_limit
 from .profile.profiler import ProfileConfig
 from .progress import logger, progress_enabled, stage
 from .settings import PlanRequest, Setup
@@ -235,20 +234,6 @@ class Planner(BasePlanner):
     sharding = property(lambda self: self.setup.distributed.sharding)
     baseline_peak_bytes = property(lambda self: self.profiled.baseline_peak_bytes)
     no_checkpoint_peak_bytes = property(lambda self: self.profiled.no_checkpoint_peak_bytes)
-
-
-def within_device_limit(budget: int | None, device: torch.device | str) -> tuple[int | None, list[str]]:
-    """`budget` (bytes), lowered to what the device lets a step's tensors take where that is less, and the
-    note that says so. A budget is judged on allocated bytes, but a device's limit (its memory, or the
-    memory fraction set for the process) binds what the caching allocator reserves, which is more: a plan
-    made right up to that limit runs out of memory in its own check, or in training."""
-    limit = allocator_limit(device)
-    if budget is None or limit is None or limit >= budget:
-        return budget, []
-    note = (f"the budget ({budget / 1e6:.1f} MB) is beyond what the device lets this process's tensors take with "
-            f"the caching allocator's overhead: planned for {limit / 1e6:.1f} MB (PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:True leaves the allocator less overhead, so more for the step)")
-    return limit, [note]
 
 
 def _call_inputs(args: tuple, kwargs: dict[str, Any]) -> Any:

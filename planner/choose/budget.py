@@ -23,9 +23,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from ..capture.preflight import nothing_to_plan
 from ..capture.trace import autocast_blocks
-from ..profile.memory import device_room
+from ..profile.memory import allocator_limit, device_room
 from ..settings import PlanRequest
 from ..solvers.offload import most_offloaded
 from ..solvers.problem import Problem, Solution
@@ -35,7 +37,7 @@ from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
 __all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail", "floor_of", "refuse",
-           "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable"]
+           "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -215,3 +217,17 @@ def refuse_unplannable(p: Profiled, budget: int, solver: str, smallest: int) -> 
               "compared with), and the device has no room for it, so planning needs at least that; pass "
               "check_step=False to plan below it unchecked, or plan on device='meta'")
     raise InfeasibleBudgetError(budget, max(least, smallest), solver, p.problem.fixed_bytes, detail=detail)
+
+
+def within_device_limit(budget: int | None, device: torch.device | str) -> tuple[int | None, list[str]]:
+    """`budget` (bytes), lowered to what the device lets a step's tensors take where that is less, and the
+    note that says so. A budget is judged on allocated bytes, but a device's limit (its memory, or the
+    memory fraction set for the process) binds what the caching allocator reserves, which is more: a plan
+    made right up to that limit runs out of memory in its own check, or in training."""
+    limit = allocator_limit(device)
+    if budget is None or limit is None or limit >= budget:
+        return budget, []
+    note = (f"the budget ({budget / 1e6:.1f} MB) is beyond what the device lets this process's tensors take with "
+            f"the caching allocator's overhead: planned for {limit / 1e6:.1f} MB (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True leaves the allocator less overhead, so more for the step)")
+    return limit, [note]

@@ -58,6 +58,7 @@ from ..solvers.plans import normalize_regions
 from ..solvers.problem import Node, Problem, Storage
 from ..solvers.simulate import simulate
 from .base import BasePlanner
+from .budget import within_device_limit
 from .solve import solve_partial
 
 __all__ = ["Piece", "PartialPlanner", "find_pieces"]
@@ -299,8 +300,10 @@ class PartialPlanner(BasePlanner):
 
     def plan_for(self, request: PlanRequest) -> Plan:
         budget = request.budget.in_bytes(self.problem.fixed_bytes, self.baseline_peak_bytes)
+        budget, lowered = within_device_limit(budget, self.pieces[0].cost.device if self.pieces else "cpu")
         cfg = request.solve
         solution, notes = solve_partial(self.problem, budget, cfg.solver, dict(cfg.options), request.budget.safety_margin)
+        notes = [*lowered, *notes]
         replan = None
         if self.replan is not None:
             again = request.replace(on_larger_shape="error", autotune=None)  # as Planner replans

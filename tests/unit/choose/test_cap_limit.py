@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import types
 
+import ckpt_planner.choose.budget as budget_module
 import pytest
 import torch
-from torch import nn
-
-import ckpt_planner.api as api
 from ckpt_planner.api import Planner
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile import memory
 from ckpt_planner.profile.profiler import ProfileConfig
+from torch import nn
 
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)
 
@@ -64,13 +63,13 @@ def test_a_budget_over_the_limit_is_planned_for_the_limit(monkeypatch, planner):
         planner.plan(budget_bytes=planner.problem.fixed_bytes + 1)
     limit = (e.value.smallest_bytes + budget) // 2
     assert e.value.smallest_bytes < limit < budget
-    monkeypatch.setattr(api, "allocator_limit", lambda device: limit)
+    monkeypatch.setattr(budget_module, "allocator_limit", lambda device: limit)
     plan = planner.plan(budget_bytes=budget)
     assert plan.budget_bytes == limit
     assert plan.predicted_peak_bytes <= limit
     assert any("caching allocator's overhead" in n and f"{limit / 1e6:.1f} MB" in n for n in plan.notes)
     # a limit at or above the budget changes nothing
-    monkeypatch.setattr(api, "allocator_limit", lambda device: budget)
+    monkeypatch.setattr(budget_module, "allocator_limit", lambda device: budget)
     again = planner.plan(budget_bytes=budget)
     assert again.budget_bytes == budget
     assert [r.start for r in again.regions] == [r.start for r in free.regions]
@@ -79,8 +78,26 @@ def test_a_budget_over_the_limit_is_planned_for_the_limit(monkeypatch, planner):
 
 def test_a_limit_no_plan_fits_is_refused_naming_it(monkeypatch, planner):
     plain = planner.no_checkpoint_peak_bytes
-    monkeypatch.setattr(api, "allocator_limit", lambda device: planner.problem.fixed_bytes + 1)
+    monkeypatch.setattr(budget_module, "allocator_limit", lambda device: planner.problem.fixed_bytes + 1)
     with pytest.raises(InfeasibleBudgetError) as e:
         planner.plan(budget_bytes=plain)
     assert "caching allocator's overhead" in str(e.value) and "which no plan fits" in str(e.value)
     assert e.value.smallest_bytes > planner.problem.fixed_bytes + 1
+
+
+def test_a_model_planned_in_parts_is_held_to_the_limit_too(monkeypatch):
+    from ckpt_planner.choose.partial import PartialPlanner
+
+    from tests.unit.choose.test_partial import FAST, Branchy
+
+    torch.manual_seed(0)
+    model, x = Branchy(d=32, blocks=4), torch.randn(64, 16)
+    part = PartialPlanner(model, (x,), profile_config=FAST)
+    budget = part.baseline_peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as e:
+        part.plan(budget_bytes=part.problem.fixed_bytes + 1, solver="uniform")
+    limit = (e.value.smallest_bytes + budget) // 2
+    monkeypatch.setattr(budget_module, "allocator_limit", lambda device: limit)
+    plan = part.plan(budget_bytes=budget, solver="uniform")
+    assert plan.budget_bytes == limit and plan.predicted_peak_bytes <= limit
+    assert any("caching allocator's overhead" in n for n in plan.notes)
