@@ -290,6 +290,7 @@ def section_cap(sizes: dict, dry: bool, emit, log) -> None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
         torch.cuda.reset_peak_memory_stats(device)
+        _watch_out_of_memory(row)
     try:
         t0 = time.perf_counter()
         try:
@@ -326,6 +327,27 @@ def section_cap(sizes: dict, dry: bool, emit, log) -> None:
     finally:
         if device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def _watch_out_of_memory(row: dict) -> None:
+    """Record in `row` the first request the caching allocator refuses: its size and, at that moment, the
+    bytes allocated, reserved and lying free in split blocks (what tells fragmentation from a plan over its
+    prediction). Where this torch has no out-of-memory observer, nothing."""
+    import torch
+
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None:
+        return
+
+    def seen(device, request, limit, free):
+        if "first_out_of_memory" not in row:
+            stats = torch.cuda.memory_stats(device)
+            row["first_out_of_memory"] = {
+                "request_bytes": int(request), "allocated_bytes": stats.get("allocated_bytes.all.current"),
+                "reserved_bytes": stats.get("reserved_bytes.all.current"),
+                "split_free_bytes": stats.get("inactive_split_bytes.all.current")}
+
+    attach(seen)
 
 
 def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
@@ -750,6 +772,11 @@ def markdown(results: dict) -> str:
         else:
             out.append(f"Not planned: {r.get('error')} (planning peak {_mb(r.get('planning_peak_bytes'))} MB allocated, "
                        f"{_mb(r.get('planning_reserved_bytes'))} MB reserved).")
+        oom = r.get("first_out_of_memory")
+        if oom:
+            out.append(f"First refused request: {_mb(oom['request_bytes'])} MB, with {_mb(oom['allocated_bytes'])} MB "
+                       f"allocated, {_mb(oom['reserved_bytes'])} MB reserved, {_mb(oom['split_free_bytes'])} MB of it "
+                       "free in split blocks.")
     fr = secs.get("frontier", {}).get("rows", [])
     points = [r for r in fr if r.get("kind") == "point"]
     race_row = next((r for r in fr if r.get("kind") == "race"), None)
