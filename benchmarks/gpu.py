@@ -466,9 +466,10 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
         timers.append(Timer("hf offload (every layer)", hf, hf, device))
         emit({"kind": "contender", "name": "hf offload", "peak_bytes": hf_peak,
               "grads_bitwise": same_grads(eager_grads, hf_grads)[0]})
-    # the same graph planned twice: copies priced at 0 bytes/s (never offloads) and at the device's bandwidth
-    planners = {"recompute": Planner(model, inputs, offload_bandwidth=(0.0, 0.0)),
-                "offload": Planner(model, inputs, offload_bandwidth=(bw.d2h_bytes_per_s, bw.h2d_bytes_per_s))}
+    # one profile planned twice: copies priced at the device's bandwidth and at 0 bytes/s (never offloads),
+    # so that both solve on the same timings (profiled apart, the device's noise alone moves their plans)
+    offloading = Planner(model, inputs, offload_bandwidth=(bw.d2h_bytes_per_s, bw.h2d_bytes_per_s))
+    planners = {"recompute": _without_offload(offloading), "offload": offloading}
     floors = {}
     for label, planner in planners.items():  # a budget no plan meets: refused from the bytes, with the floor
         try:
@@ -522,6 +523,24 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
             row.update(step_ms=timer.median, overhead=timer.median / eager.median - 1,
                        predicted_step_ms=row["predicted_step_s"] * 1e3)
         emit(row)
+
+
+def _without_offload(planner):
+    """`planner`'s capture and profile, planned as if the device could not copy to the host: its problem
+    rebuilt with copies priced at 0 bytes/s (the solvers then never offload)."""
+    import copy
+    import dataclasses
+
+    from ckpt_planner.choose.profiled import profiled
+
+    other = copy.copy(planner)
+    offload = dataclasses.replace(planner.setup.offload, bandwidth=(0.0, 0.0))
+    other.setup = dataclasses.replace(planner.setup, offload=offload)
+    p = planner.profiled
+    other.profiled = profiled(planner.model, p.capture, p.cost, other.setup, chunks=p.chunks,
+                              capture_notes=p.capture_notes)
+    other.profiled.values = p.values
+    return other
 
 
 def section_autocast(sizes: dict, dry: bool, emit, log) -> None:
