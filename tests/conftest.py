@@ -1,4 +1,5 @@
 import functools
+import gc
 import os
 import warnings
 
@@ -52,6 +53,34 @@ def autotune_off_by_default():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CKPT_PLANNER_AUTOTUNE", "off")
         yield
+
+
+_tracked_after_collection = [0]
+"""Objects the collector tracked right after the last full collection between tests."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The planner collects garbage before it measures (profile/backward.py, profile/stagewise.py). In a
+    worker that has run hundreds of tests, each collection walked every object alive (torch, transformers,
+    the module fixtures: about half a million), half a second each and half the suite's time. Objects alive
+    when a test starts are set aside from collections until it ends (gc.freeze), its fixtures' setup and
+    teardown included: what the test allocates is collected as before, and what it measures is what the
+    planner would measure in a fresh process.
+
+    The garbage earlier tests left is collected between tests, in one full collection once the objects
+    tracked have grown by a quarter since the last one (the rule Python's own collector follows for its
+    oldest generation), not before every test."""
+    gc.freeze()
+    if gc.get_freeze_count() > _tracked_after_collection[0] * 5 // 4:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        _tracked_after_collection[0] = gc.get_freeze_count()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
