@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=2000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu-dry.json").read_text())
     sections = results["sections"]
