@@ -283,7 +283,9 @@ def _speech_inputs(batch: int, length: int) -> dict:
 @pytest.mark.parametrize("kind", [pytest.param("hubert", marks=pytest.mark.slow), "wav2vec2"])
 def test_partial_plan_runs_smaller_shapes_and_replans_larger(kind):
     model = _speech(kind)
-    plan = optimize(model, _speech_inputs(6, 800), activation_budget=0.6, profile_config=FLOPS,
+    # dp, not auto: the subject is the shapes the plan runs at, and auto's MILP took a third of the time
+    # (auto on a partial plan: test_heldout_predictions.py::test_hubert_ctc_partial_plan)
+    plan = optimize(model, _speech_inputs(6, 800), activation_budget=0.6, solver="dp", profile_config=FLOPS,
                     on_larger_shape="replan")
     assert plan.capture_method == "partial"
     for batch, length in ((5, 800), (6, 640), (3, 500)):
