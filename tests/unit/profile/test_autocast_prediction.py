@@ -66,7 +66,10 @@ def test_a_second_step_in_the_context_is_measured_like_the_first():
     with bf16():
         first, second = peaks(), peaks()
     assert second == first
-    assert first.allocator == first.live  # no kernel workspace here: both meters see the same bytes
+    # Both meters see the step's own casts (1 MB of bf16 weights). The allocator may see a little more: on a
+    # CPU with native bf16 products (AVX512-BF16) oneDNN packs its operands in a workspace (17.5 KB here).
+    casts = sum(p.numel() * 2 for p in params)
+    assert 0 <= first.allocator - first.live < casts / 8
 
 
 @pytest.mark.parametrize("solver", ["dp", "uniform"])
