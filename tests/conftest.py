@@ -69,10 +69,10 @@ def pytest_runtest_protocol(item, nextitem):
     planner would measure in a fresh process.
 
     The garbage earlier tests left is collected between tests, in one full collection once the objects
-    tracked have grown by a quarter since the last one (the rule Python's own collector follows for its
-    oldest generation), not before every test."""
+    tracked have doubled since the last one, not before every test: each took seconds in a worker's heap,
+    and at a quarter's growth (the rule of Python's own collector) a worker ran one every 60 tests."""
     gc.freeze()
-    if gc.get_freeze_count() > _tracked_after_collection[0] * 5 // 4:
+    if gc.get_freeze_count() > _tracked_after_collection[0] * 2:
         gc.unfreeze()
         gc.collect()
         gc.freeze()

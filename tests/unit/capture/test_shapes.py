@@ -54,14 +54,15 @@ def test_transformers_smaller_batch_and_sequence_exact_within_budget(gpt2_plan):
     assert plan.regions
     torch.manual_seed(1)
     # the planned shape, a shorter last batch, a shorter sequence, both, and a single short row
+    peaks = {}
     for batch, seq in ((4, 48), (3, 48), (4, 40), (2, 33), (1, 5)):
         inputs = ids(batch, seq)
         report = check_exact_within_budget(model, plan, inputs, saves=batch * seq >= 96)
         assert report.measured_peak_bytes <= plan.budget_bytes
-    # peak is monotone in the shape: a smaller batch needs no more than the planned one
+        peaks[batch, seq] = report.measured_peak_bytes
+    # peak is monotone in the shape: a smaller batch needs no more than the planned one (its step measured above)
     small = verify(model, plan, ids(2, 48), repeats=1).measured_peak_bytes
-    full = verify(model, plan, ids(4, 48), repeats=1).measured_peak_bytes
-    assert small < full
+    assert small < peaks[4, 48]
 
 
 def test_larger_shape_raises_one_line_shape_error_before_running(gpt2_plan):

@@ -10,6 +10,7 @@ gradient bitwise against the model and against fx's own code, and compile the mo
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,15 +24,26 @@ from tests.models.examples import TinyGPT
 LAYERS, SEQ, VOCAB = 2, 16, 64
 
 
+@functools.cache
 def _model_and_inputs():
+    """One model for the whole file, captured once (`_captured`): the export was most of each test's time.
+    The tests only read the model (each step clears the gradients and seeds the generator first), and every
+    `_planned` call rewrites a copy of the captured graph into a new module."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, d=32, layers=LAYERS, heads=2, seq=SEQ, dropout=0.1).train()
     idx = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     return model, (idx, idx)
 
 
+@functools.cache
+def _captured():
+    model, inputs = _model_and_inputs()
+    return capture(model, inputs, method="export")
+
+
 def _planned(model, inputs):
-    cap = capture(model, inputs, method="export")
+    assert model is _model_and_inputs()[0]
+    cap = _captured()
     n = sum(1 for node in cap.graph_module.graph.nodes if node.op == "call_function")
     third = n // 3
     return rewrite(cap.graph_module, [(third, 2 * third)], model=model)
