@@ -11,7 +11,9 @@ capture + profile + solve; the target is under 60 s.
 The targets: one whole `optimize(model, inputs, device="meta")` call with the
 default solver ("auto") for a Llama-2-7B at 64 GB with AdamW (target 15 s) and
 a Llama-2-70B on 8 ranks under FSDP at 80 GB per rank with AdamW (target 60 s),
-each in a fresh interpreter, timed with the split its stages log.
+each in a fresh interpreter, timed with the split its stages log: wall seconds
+and the process's CPU seconds per stage, with the load average at the start and
+the end (on a shared machine the wall time also holds the waits for a core).
 
     python -m benchmarks.scale                     # both models, solver uniform, then the targets
     python -m benchmarks.scale --solver greedy --compare uniform dp auto   # as in results/
@@ -201,18 +203,31 @@ def run_model(name: str, solver: str, compare: list[str], timeout: float, api: b
 
 
 class _StageTimes(logging.Handler):
-    """Seconds of each pipeline stage, from the "<stage>: done in <s> s" records optimize() logs."""
+    """Seconds of each pipeline stage, from the "<stage>: start" and "<stage>: done in <s> s" records optimize()
+    logs: wall seconds as logged, and this process's CPU seconds between the two records (the machine may be
+    shared: the wall time then includes waiting for a core, the CPU time does not)."""
 
+    START = re.compile(r"^(\w+): start\b")
     DONE = re.compile(r"^(\w+): done in ([0-9.]+) s$")
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
+        self._started: dict[str, float] = {}  # stage -> process CPU seconds at its start
 
     def emit(self, record: logging.LogRecord) -> None:
-        found = self.DONE.match(record.getMessage())
+        message = record.getMessage()
+        started = self.START.match(message)
+        if started:
+            self._started[started.group(1)] = time.process_time()
+            return
+        found = self.DONE.match(message)
         if found:
-            self.seconds[found.group(1)] = self.seconds.get(found.group(1), 0.0) + float(found.group(2))
+            name = found.group(1)
+            self.seconds[name] = self.seconds.get(name, 0.0) + float(found.group(2))
+            if name in self._started:
+                self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - self._started.pop(name)
 
 
 def _target_child(conn, name: str, keywords: dict[str, Any]) -> None:
@@ -221,10 +236,11 @@ def _target_child(conn, name: str, keywords: dict[str, Any]) -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     load = os.getloadavg()[0]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = optimize(model, inputs, device="meta", **keywords)
-    wall = time.perf_counter() - t0
-    conn.send({"wall_s": wall, "stages_s": handler.seconds, "load_start": load, "solver": plan.solver,
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    conn.send({"wall_s": wall, "cpu_s": cpu, "stages_s": handler.seconds, "stages_cpu_s": handler.cpu_seconds,
+               "load_start": load, "load_end": os.getloadavg()[0], "solver": plan.solver,
                "chosen": plan.stats.get("chosen"), "predicted_peak_bytes": plan.predicted_peak_bytes,
                "predicted_recompute_s": plan.predicted_recompute_s, "budget_bytes": plan.budget_bytes,
                "regions": len(plan.regions), "saved_ops": len(plan.saved_indices())})
@@ -241,6 +257,11 @@ def run_target(name: str, keywords: dict[str, Any], target_s: float) -> dict[str
     proc.join()
     return {"model": name, "keywords": keywords, "target_s": target_s, **result,
             "under_target": result["wall_s"] <= target_s}
+
+
+def _stage_cell(wall: dict[str, float], cpu: dict[str, float], stage: str) -> str:
+    """A stage's "wall / CPU" seconds (wall alone where no CPU time was recorded)."""
+    return f"{wall.get(stage, 0):.1f}" + (f" / {cpu[stage]:.1f}" if stage in cpu else "")
 
 
 def _gb(x: float | None) -> str:
@@ -331,18 +352,27 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("targets"):
         lines += ["", "## Targets: one `optimize(..., device=\"meta\")` call, solver auto", "",
                   results.get("targets_note", ""), "",
-                  "| model | keywords | wall s | target s | met | capture s | profile s | solve s | rewrite s | other s | "
-                  "load at start | chosen | predicted GB | recompute s | regions / kept ops |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "Each call runs in a fresh interpreter. Stage cells: wall / CPU seconds (this process's CPU time; "
+                  "on a machine shared with other work the wall time also holds the waits for a core). Load: the "
+                  "1-minute load average at the call's start and end, on "
+                  f"{results['environment']['cpus']} CPUs. A target is met on the wall time.", "",
+                  "| model | keywords | wall s | CPU s | target s | met | capture | profile | solve | rewrite | other | "
+                  "load start / end | chosen | predicted GB | recompute s | regions / kept ops |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for t in results["targets"]:
-            st = t["stages_s"]
-            other = t["wall_s"] - sum(st.get(k, 0.0) for k in ("capture", "profile", "solve", "rewrite"))
+            st, cpu = t["stages_s"], t.get("stages_cpu_s", {})
+            stages = ("capture", "profile", "solve", "rewrite")
+            other = t["wall_s"] - sum(st.get(k, 0.0) for k in stages)
+            other_cpu = t["cpu_s"] - sum(cpu.get(k, 0.0) for k in stages) if "cpu_s" in t else None
             kw = ", ".join(f"{k}={v}" for k, v in t["keywords"].items())
+            load = f"{t['load_start']:.1f}" + (f" / {t['load_end']:.1f}" if "load_end" in t else "")
+            total_cpu = f"{t['cpu_s']:.1f}" if "cpu_s" in t else "-"
+            other_cell = f"{other:.1f}" + (f" / {other_cpu:.1f}" if other_cpu is not None else "")
             lines.append(
-                f"| {t['model']} | {kw} | {t['wall_s']:.1f} | {t['target_s']:.0f} | {'yes' if t['under_target'] else 'no'} | "
-                f"{st.get('capture', 0):.1f} | {st.get('profile', 0):.1f} | {st.get('solve', 0):.1f} | "
-                f"{st.get('rewrite', 0):.1f} | {other:.1f} | {t['load_start']:.1f} | {t['chosen']} | "
-                f"{_gb(t['predicted_peak_bytes'])} | {t['predicted_recompute_s']:.2f} | {t['regions']} / {t['saved_ops']} |"
+                f"| {t['model']} | {kw} | {t['wall_s']:.1f} | {total_cpu} | {t['target_s']:.0f} | "
+                f"{'yes' if t['under_target'] else 'no'} | {' | '.join(_stage_cell(st, cpu, stage) for stage in stages)} | {other_cell} | "
+                f"{load} | {t['chosen']} | {_gb(t['predicted_peak_bytes'])} | {t['predicted_recompute_s']:.2f} | "
+                f"{t['regions']} / {t['saved_ops']} |"
             )
     lines += ["", "Notes:", ""]
     for m in results["models"]:

@@ -55,7 +55,7 @@ from .copies import normalize_offloaded, timing
 from .plans import normalize_regions, normalize_saved, region_parents
 from .problem import Problem
 
-__all__ = ["SimResult", "simulate", "replay"]
+__all__ = ["SimResult", "simulate", "replay", "KeptSearch"]
 
 CATEGORIES = (
     "parameters",
@@ -469,40 +469,72 @@ class _Layout:
         temps[_ranges(p_base, p_len)] = a.temp[_ranges(p_s, p_len)]
         self.live = np.cumsum(self.delta[:T]) + temps  # bytes at each slot with no node kept
 
+    def kept_terms(self, problem: Problem, nodes: np.ndarray) -> _KeptTerms:
+        """What keeping each of `nodes` (kept ops of flat regions, int64) changes in this plan's live bytes.
+
+        A kept node's outputs stay from the forward until its region's recompute has taken them and their
+        savers there are done, or (not taken) until the region's backward; the recompute does not make them
+        again. Each storage's interval [p, plain_end) becomes [p, cached_end), and the rerun's interval
+        [spared_start, spared_end) of its region's recompute goes."""
+        a = problem.arrays
+        lo = a.producer_ptr[nodes]
+        counts = a.producer_ptr[nodes + 1] - lo
+        t = a.by_producer[_ranges(lo, counts)]
+        owner = np.repeat(np.arange(len(nodes), dtype=np.int64), counts)
+        p, nbytes = a.producer[t], a.nbytes[t]
+        r = self.inner[p]
+        big = np.iinfo(np.int64).max
+        reached = self.stop[r] >= p
+        inside = self.release(t, r)
+        normal = self.forward_keep[t]
+        keep = np.minimum(
+            np.minimum(np.where(normal >= 0, normal, big), np.where(reached & (inside >= 0), inside, big)),
+            np.where(reached, self.trigger[r], self.r_start[r]),
+        )
+        cached_end = np.where(a.is_output[t], self.T, self.bslot[keep] + 1)
+        rerun = self.rerun_start[t] >= 0
+        return _KeptTerms(
+            owner=owner, start=p, nbytes=nbytes, plain_end=self.forward_end[t], cached_end=cached_end,
+            spared_owner=owner[rerun], spared_start=self.rerun_start[t][rerun], spared_end=self.rerun_end[t][rerun],
+            spared=nbytes[rerun],
+        )
+
+    def delta_with(self, kept: _KeptTerms | None) -> np.ndarray:
+        """Changes of the live bytes at each slot (their prefix sums are the live bytes, temporaries apart)
+        with the kept nodes of `kept` (None: none kept). # bytes int64"""
+        if kept is None:
+            return self.delta
+        delta = self.delta.copy()
+        np.add.at(delta, kept.plain_end, kept.nbytes)  # [p, plain_end) becomes [p, cached_end)
+        np.add.at(delta, kept.cached_end, -kept.nbytes)
+        np.add.at(delta, kept.spared_start, -kept.spared)
+        np.add.at(delta, kept.spared_end, kept.spared)
+        return delta
+
+    def seconds(self, problem: Problem, saved: tuple[int, ...]) -> tuple[float, float, float]:
+        """(recompute seconds, of which hooks, checkpoint-call and policy seconds) with `saved` kept,
+        summed in the replay's order so that the floats agree to the last bit."""
+        times = problem.arrays.times
+        if saved:
+            times = list(times)
+            for i in saved:
+                times[i] = 0  # x + 0 is x: the sum is the replay's, which skips kept nodes
+        hook, hooks_before = problem.saved_overhead_s, problem.arrays.hook_prefix
+        seconds = hook_time = 0.0
+        for s, e in self.spans:
+            hooks = hook * (hooks_before[e + 1] - hooks_before[s])
+            hook_time += hooks
+            seconds += hooks + sum(times[s : e + 1])
+        return seconds, hook_time, call_time(problem, self.regions, saved, self.stops)
+
     def figures(self, problem: Problem, saved: tuple[int, ...], off=None) -> SimResult:
         """The simulator's figures for this region plan of `problem` with `saved` (normalised) kept and the
         offloads of `off` (`offload.OffloadTiming`, None: none)."""
         a = problem.arrays
         by_cat = np.zeros(4, dtype=np.int64)
-        live = self.live
-        delta = self.delta
-        if saved:
-            # A kept node's outputs stay from the forward until its region's recompute has taken them and
-            # their savers there are done, or (not taken) until the region's backward; the recompute does
-            # not make them again.
-            nodes = np.array(saved, dtype=np.int64)
-            lo = a.producer_ptr[nodes]
-            t = a.by_producer[_ranges(lo, a.producer_ptr[nodes + 1] - lo)]
-            p, nbytes = a.producer[t], a.nbytes[t]
-            r = self.inner[p]
-            big = np.iinfo(np.int64).max
-            reached = self.stop[r] >= p
-            inside = self.release(t, r)
-            normal = self.forward_keep[t]
-            keep = np.minimum(
-                np.minimum(np.where(normal >= 0, normal, big), np.where(reached & (inside >= 0), inside, big)),
-                np.where(reached, self.trigger[r], self.r_start[r]),
-            )
-            cached_end = np.where(a.is_output[t], self.T, self.bslot[keep] + 1)
-            plain_end = self.forward_end[t]
-            rerun = self.rerun_start[t] >= 0
-            spared_start, spared_end, spared = self.rerun_start[t][rerun], self.rerun_end[t][rerun], nbytes[rerun]
-            delta = delta.copy()
-            np.add.at(delta, plain_end, nbytes)  # [p, plain_end) becomes [p, cached_end)
-            np.add.at(delta, cached_end, -nbytes)
-            np.add.at(delta, spared_start, -spared)
-            np.add.at(delta, spared_end, spared)
-            live = np.cumsum(delta[: self.T]) + self.temps
+        kept = self.kept_terms(problem, np.array(saved, dtype=np.int64)) if saved else None
+        delta = self.delta_with(kept)
+        live = self.live if kept is None else np.cumsum(delta[: self.T]) + self.temps
         if off is not None:
             # An offloaded storage is off the device from after its forward free to its prefetch.
             o_t = np.array(sorted(off.fetch), dtype=np.int64)
@@ -514,9 +546,11 @@ class _Layout:
             np.add.at(delta, o_back, o_bytes)
             live = np.cumsum(delta[: self.T]) + self.temps
         at = int(np.argmax(live))  # the first of the highest: the replay keeps a peak until one exceeds it
-        if saved:
-            by_cat[0] = int(nbytes[(p <= at) & (at < cached_end)].sum() - nbytes[(p <= at) & (at < plain_end)].sum())
-            by_cat[1] = -int(spared[(spared_start <= at) & (at < spared_end)].sum())
+        if kept is not None:
+            held = (kept.start <= at) & (at < kept.cached_end)
+            plain = (kept.start <= at) & (at < kept.plain_end)
+            by_cat[0] = int(kept.nbytes[held].sum() - kept.nbytes[plain].sum())
+            by_cat[1] = -int(kept.spared[(kept.spared_start <= at) & (at < kept.spared_end)].sum())
         if off is not None:
             by_cat[0] -= int(o_bytes[(o_gone <= at) & (at < o_back)].sum())
         covering = (self.starts <= at) & (self.ends > at)
@@ -537,19 +571,7 @@ class _Layout:
                 j = int(np.searchsorted(self.p_base, at, side="right")) - 1  # p_base rises in pass order
                 phase, node = "recompute", int(self.p_s[j] + at - self.p_base[j])
 
-        # Seconds, summed in the replay's order so that the floats agree to the last bit.
-        times = a.times
-        if saved:
-            times = list(times)
-            for i in saved:
-                times[i] = 0  # x + 0 is x: the sum is the replay's, which skips kept nodes
-        hook, hooks_before = problem.saved_overhead_s, a.hook_prefix
-        seconds = hook_time = 0.0
-        for s, e in self.spans:
-            hooks = hook * (hooks_before[e + 1] - hooks_before[s])
-            hook_time += hooks
-            seconds += hooks + sum(times[s : e + 1])
-        calls = call_time(problem, self.regions, saved, self.stops)
+        seconds, hook_time, calls = self.seconds(problem, saved)
         copies = off.exposed_s if off is not None else 0.0
         return SimResult(
             peak_bytes=max(int(live[at]) + problem.fixed_bytes, problem.fixed_bytes),
@@ -562,3 +584,148 @@ class _Layout:
             peak_node=node,
             breakdown=breakdown,
         )
+
+
+@dataclass(frozen=True)
+class _KeptTerms:
+    """Per storage of some kept nodes, how keeping its producer moves its live intervals (`_Layout.kept_terms`).
+    Positions are slots of the layout; `owner` and `spared_owner` index the kept nodes as given. # bytes int64"""
+
+    owner: np.ndarray
+    start: np.ndarray
+    nbytes: np.ndarray
+    plain_end: np.ndarray
+    cached_end: np.ndarray
+    spared_owner: np.ndarray
+    spared_start: np.ndarray
+    spared_end: np.ndarray
+    spared: np.ndarray
+
+
+WALK_CELLS = 1 << 20
+"""Most (step x slot) entries `KeptSearch` holds at once while it walks (8 MB of int64)."""
+
+
+class KeptSearch:
+    """Exact figures of one region plan under many sets of kept ops, for searches that try hundreds of them.
+
+    Keeping a node moves only its own storages' live intervals (`_Layout.kept_terms`), so the bytes live at
+    each observation are the plan's with none kept plus one term per kept node, whatever else is kept. A walk
+    that keeps (or stops keeping) one more node at each step is then a running sum over those terms, and the
+    peaks of all its steps come out of one pass over a (step x slot) table instead of a simulation per step.
+    Every figure equals `simulate`'s for the same plan, to the byte and to the last bit of the seconds.
+
+    `candidates`: every node the search may keep, checked once here (saveable, inside a flat region).
+    """
+
+    def __init__(self, problem: Problem, regions, candidates=()) -> None:
+        self.problem = problem
+        self.regions = normalize_regions(problem, regions)
+        self.candidates = normalize_saved(problem, self.regions, candidates)
+        self._known = frozenset(self.candidates)
+        # The interval sweep holds where no size is negative; elsewhere every set is replayed.
+        self._layout = _layout(problem, self.regions) if problem.n and problem.arrays.nonnegative else None
+
+    def _checked(self, saved) -> tuple[int, ...]:
+        """`saved` sorted, checked like `simulate` checks it unless every node is a candidate checked already."""
+        saved = tuple(sorted({int(i) for i in saved}))
+        return saved if self._known.issuperset(saved) else normalize_saved(self.problem, self.regions, saved)
+
+    def _live(self, saved: tuple[int, ...]) -> np.ndarray:
+        layout = self._layout
+        if not saved:
+            return layout.live
+        kept = layout.kept_terms(self.problem, np.array(saved, dtype=np.int64))
+        return np.cumsum(layout.delta_with(kept)[: layout.T]) + layout.temps
+
+    def _peak_of(self, live: np.ndarray) -> int:
+        fixed = self.problem.fixed_bytes
+        return max(int(live.max()) + fixed, fixed)
+
+    def peak(self, saved=()) -> int:
+        """Peak bytes of the plan with `saved` kept (`simulate(...).peak_bytes`)."""
+        saved = self._checked(saved)
+        if self._layout is None:
+            return simulate(self.problem, self.regions, saved=saved).peak_bytes
+        return self._peak_of(self._live(saved))
+
+    def seconds(self, saved=()) -> float:
+        """Recompute seconds of the plan with `saved` kept (`simulate(...).recompute_time`)."""
+        saved = self._checked(saved)
+        if self._layout is None:
+            return simulate(self.problem, self.regions, saved=saved).recompute_time
+        seconds, _, calls = self._layout.seconds(self.problem, saved)
+        return seconds + calls
+
+    def _step_table(self, nodes: list[int], sign: int) -> np.ndarray:
+        """Row j: the change of the live bytes at each slot when nodes[j] is kept (sign 1) or no longer
+        kept (sign -1). # bytes int64, shape [len(nodes), T]"""
+        layout = self._layout
+        terms = layout.kept_terms(self.problem, np.array(nodes, dtype=np.int64))
+        rows = np.concatenate([terms.owner, terms.owner, terms.spared_owner, terms.spared_owner])
+        slots = np.concatenate([terms.plain_end, terms.cached_end, terms.spared_start, terms.spared_end])
+        sizes = sign * np.concatenate([terms.nbytes, -terms.nbytes, -terms.spared, terms.spared])
+        table = np.zeros((len(nodes), layout.T + 1), dtype=np.int64)
+        np.add.at(table, (rows, slots), sizes)
+        return np.cumsum(table[:, : layout.T], axis=1)
+
+    def _chunks(self, nodes: list[int]) -> list[list[int]]:
+        """`nodes` in runs short enough that a table of their rows stays under WALK_CELLS."""
+        size = max(1, WALK_CELLS // (self._layout.T + 1))
+        return [nodes[lo : lo + size] for lo in range(0, len(nodes), size)]
+
+    def peaks_walked(self, saved, steps, *, dropping: bool = False, until: int | None = None) -> list[int]:
+        """Peaks of the sets a walk from `saved` passes: [peak(saved), peak(saved + steps[:1]), ...,
+        peak(saved + steps)], each step keeping one more node, or with `dropping` keeping one fewer.
+
+        `until`: a budget; the walk stops at the first set whose peak fits it (the list ends there).
+        """
+        saved, steps = self._checked(saved), [int(i) for i in steps]
+        held = set(saved)
+        if len(set(steps)) != len(steps) or not (held.issuperset(steps) if dropping else held.isdisjoint(steps)):
+            raise ValueError("steps: each node once, " + ("all kept at the start" if dropping else "none kept at the start"))
+        if not dropping:
+            self._checked(steps)
+        if self._layout is None:
+            return self._replayed(saved, steps, dropping, until)
+        live = self._live(saved)
+        peaks = [self._peak_of(live)]
+        if until is not None and peaks[0] <= until:
+            return peaks
+        fixed = self.problem.fixed_bytes
+        for part in self._chunks(steps):
+            # Summed down the rows: the live bytes after each step.
+            rows = np.cumsum(self._step_table(part, -1 if dropping else 1), axis=0)
+            rows += live
+            for value in (rows.max(axis=1) + fixed).tolist():
+                peaks.append(max(int(value), fixed))
+                if until is not None and peaks[-1] <= until:
+                    return peaks
+            live = rows[-1].copy()
+        return peaks
+
+    def peaks_each(self, saved, nodes) -> list[int]:
+        """peak(saved + [i]) for each i of `nodes` (none of them kept in `saved`)."""
+        saved, nodes = self._checked(saved), [int(i) for i in nodes]
+        if not set(saved).isdisjoint(nodes):
+            raise ValueError("nodes: one is kept already")
+        self._checked(nodes)
+        if self._layout is None:
+            return [simulate(self.problem, self.regions, saved=tuple(sorted({*saved, i}))).peak_bytes for i in nodes]
+        live, fixed, peaks = self._live(saved), self.problem.fixed_bytes, []
+        for part in self._chunks(nodes):
+            rows = self._step_table(part, 1)
+            rows += live
+            peaks += [max(int(v), fixed) for v in (rows.max(axis=1) + fixed).tolist()]
+        return peaks
+
+    def _replayed(self, saved, steps, dropping: bool, until: int | None) -> list[int]:
+        """`peaks_walked` by a simulation per set (sizes below zero: the sweep does not hold)."""
+        peaks, current = [], set(saved)
+        for k in range(len(steps) + 1):
+            if k:
+                current = current - {steps[k - 1]} if dropping else current | {steps[k - 1]}
+            peaks.append(simulate(self.problem, self.regions, saved=tuple(sorted(current))).peak_bytes)
+            if until is not None and peaks[-1] <= until:
+                break
+        return peaks

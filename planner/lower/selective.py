@@ -45,7 +45,7 @@ from ..errors import SelectiveReplayError
 
 __all__ = [
     "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",
-    "policy_costs", "try_policy_costs", "SelectiveReplayError",
+    "policy_costs", "try_policy_costs", "PolicyCounter", "SelectiveReplayError",
 ]
 
 _CURRENT = threading.local()  # .kept: the _KeptOps of the selective region call running on this thread
@@ -246,25 +246,34 @@ def _kind(gm: fx.GraphModule, n: fx.Node) -> str:
     return str(getattr(n.target, "__name__", n.target))
 
 
-class _CacheCounter(TorchDispatchMode):
+class PolicyCounter(TorchDispatchMode):
     """Per current fx node: bytes of new storages made by the ops a selective policy would cache, and
-    how many aten ops the policy would be asked about."""
+    how many aten ops the policy would be asked about. A run it watches goes on when counting fails:
+    `error` says why (a message: the exception itself would keep the op's tensors alive through its
+    traceback), and the counts are incomplete."""
 
     def __init__(self) -> None:
         super().__init__()
         self.node: str | None = None
         self.bytes: dict[str, int] = {}
         self.ops: dict[str, int] = {}
+        self.error: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.node is not None:
-            self.ops[self.node] = self.ops.get(self.node, 0) + 1
-        if self.node is not None and _cacheable(func) and not _cast_cached(func, args):
+        if self.node is not None and self.error is None:
+            try:
+                self._count(self.node, func, args, kwargs, out)
+            except Exception as e:  # noqa: BLE001 - counting is a refinement: the op's result stands
+                self.error = f"{type(e).__name__}: {e}"
+        return out
+
+    def _count(self, node: str, func, args, kwargs, out) -> None:
+        self.ops[node] = self.ops.get(node, 0) + 1
+        if _cacheable(func) and not _cast_cached(func, args):
             before = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             new = {_key(t): t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-            self.bytes[self.node] = self.bytes.get(self.node, 0) + sum(b for k, b in new.items() if k not in before)
-        return out
+            self.bytes[node] = self.bytes.get(node, 0) + sum(b for k, b in new.items() if k not in before)
 
 
 def _key(t: torch.Tensor) -> int:
@@ -275,7 +284,7 @@ def _key(t: torch.Tensor) -> int:
 
 
 class _NodeTracker(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, counter: _CacheCounter, convert) -> None:
+    def __init__(self, gm: fx.GraphModule, counter: PolicyCounter, convert) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.counter = counter
         self.convert = convert
@@ -302,9 +311,11 @@ def policy_costs(gm: fx.GraphModule, flat: Sequence, convert=None) -> tuple[dict
     One forward of the graph, run by the caller under preserved state (buffers, RNG); `convert`
     rewrites each call's (args, kwargs) first (the profiler's meta-to-cpu constants).
     """
-    counter = _CacheCounter()
+    counter = PolicyCounter()
     with torch.set_grad_enabled(torch.is_grad_enabled()), counter:  # grad mode as it was, even on an error
         _NodeTracker(gm, counter, convert).run(*flat, enable_io_processing=False)
+    if counter.error is not None:
+        raise RuntimeError(f"counting the policy's figures failed: {counter.error}")
     return counter.bytes, counter.ops
 
 

@@ -38,7 +38,7 @@ from ..capture.mutation import mutated_inputs, stale_reads, writes_by_schema, wr
 from ..capture.rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
 from ..capture.trace import Capture, flatten_for_graph
 from ..errors import InputError
-from ..lower.selective import try_policy_costs
+from ..lower.selective import PolicyCounter, try_policy_costs
 from ..model_state import rng_preserved
 from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
@@ -123,7 +123,7 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
     warm_device_libraries(dev)
     with rng_preserved():
         if meta:
-            cost, (cached, ops) = _profile_fake(gm, flat, config, dev)
+            cost, (cached, ops) = _profile_fake(gm, flat, config, dev, ops_priced=False)
         elif config.bounded:
             cost, (cached, ops) = _profile_bounded(gm, flat, config, dev, fake)
         else:
@@ -162,8 +162,16 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
 
 
 def _profile_fake(
-    gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device
-) -> tuple[CostGraph, tuple[dict[str, int], dict[str, int]]]:
+    gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, dev: torch.device, *, ops_priced: bool
+) -> tuple[CostGraph, tuple[dict[str, int] | None, dict[str, int] | None]]:
+    """The cost graph on fake tensors and the selective-policy figures per node (cached bytes, aten ops).
+
+    `ops_priced`: the op counts will price the policy's dispatch at a measured cost per op (a stage-wise
+    profile on the device), so they come from a plain forward of their own, as `policy_costs` counts them on
+    real tensors. Elsewhere (the meta device: nothing is timed, the cost per op is 0) both figures are
+    counted in the recording run instead of a second forward; there an op that saves its own output for
+    backward counts one op fewer (autograd's detach of it runs inside the recording's saved-tensor hook),
+    while the cached bytes, which decide what may be kept, are the same."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -174,14 +182,21 @@ def _profile_fake(
     memo: dict[int, torch.Tensor] = {}
     fakes = {n: fake_of(fake_mode, t, memo) for n, t in real_state.items()}
     flat_fake = [fake_of(fake_mode, t, memo) if isinstance(t, torch.Tensor) else t for t in flat]
+    # On fake tensors a forward costs about as much as the rest of the profile: where the counts price
+    # nothing, the recording run counts them too (lower/selective.py's counter, watching it).
+    policy = None if ops_priced else PolicyCounter()
     # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
     _swap_state(gm, fakes)
     try:
-        prof = run_recording(gm, flat_fake, count_flops=config.count_flops, allocator=config.allocator, fake_mode=fake_mode)
+        prof = run_recording(gm, flat_fake, count_flops=config.count_flops, allocator=config.allocator,
+                             fake_mode=fake_mode, watch=policy)
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
         built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
-        with fake_mode:
-            costs = try_policy_costs(gm, flat_fake, convert=meta_to_cpu)
+        if policy is None:
+            with fake_mode:
+                costs = try_policy_costs(gm, flat_fake, convert=meta_to_cpu)
+        else:
+            costs = (None, None) if policy.error is not None else (policy.bytes, policy.ops)
     finally:
         _swap_state(gm, real_state)
     return built, costs
@@ -194,7 +209,7 @@ def fake_profile(cap: Capture, config: ProfileConfig) -> tuple[CostGraph, Any]:
     flat = flatten_for_graph(gm, cap.args, cap.kwargs)
     dev = next((t.device for t in strided_tensors(flat)), torch.device("cpu"))
     with rng_preserved():
-        return _profile_fake(gm, flat, config, dev)
+        return _profile_fake(gm, flat, config, dev, ops_priced=True)
 
 
 def _profile_bounded(
@@ -203,7 +218,7 @@ def _profile_bounded(
     """Bytes on fake tensors, then each stage's real figures (profile/stagewise.py)."""
     if config.flop_times and not config.count_flops:
         raise InputError("profile_config.flop_times: needs count_flops=True (FLOPs are what it times by)")
-    cost, costs = fake if fake is not None else _profile_fake(gm, flat, config, dev)
+    cost, costs = fake if fake is not None else _profile_fake(gm, flat, config, dev, ops_priced=True)
     figures = measure_stages(gm, flat, cost, device=dev, warmup=config.warmup, repeats=config.repeats,
                              timed=not config.flop_times, allocator=config.allocator)
     return with_stage_figures(cost, figures, stage_spans(cost)), costs

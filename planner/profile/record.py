@@ -70,6 +70,8 @@ class CostProfiler(fx.Interpreter):
         self._generators: tuple[str | None, list[torch.Tensor]] | None = None
         self.casts: AutocastCasts | None = None
         """The recording run's casts of parameters that autocast keeps in its cache (None outside autocast)."""
+        self.watch: Any = None
+        """A dispatch mode that watches the recording run (`run_recording`); its `node` is the running node's name."""
 
     def check_generators(self, following: str | None) -> None:
         """Close the generator watch of the node that ran last (its states against those before it) and
@@ -127,16 +129,18 @@ class CostProfiler(fx.Interpreter):
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
-        if self.seeded is not None:
-            self.seeded.node = n.name
+        for watcher in (self.seeded, self.watch):
+            if watcher is not None:
+                watcher.node = n.name
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = super().run_node(n)
         except Exception as e:
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
         finally:
-            if self.seeded is not None:
-                self.seeded.node = None
+            for watcher in (self.seeded, self.watch):
+                if watcher is not None:
+                    watcher.node = None
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
         self._own_grad_fns(n, out)
         self.mem.track(out)
@@ -144,9 +148,14 @@ class CostProfiler(fx.Interpreter):
         return out
 
 
-def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, allocator: bool, fake_mode=None) -> CostProfiler:
+def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, allocator: bool, fake_mode=None,
+                  watch: TorchDispatchMode | None = None) -> CostProfiler:
     """The recording run (see the module docstring); `allocator`: meter the allocator too (real tensors).
-    Marks the graph's random nodes as it goes (rng.mark_random)."""
+    Marks the graph's random nodes as it goes (rng.mark_random).
+
+    `watch`: a dispatch mode that sees every op the nodes call, as they call it (it is entered above the
+    recorder, before any op is decomposed for its FLOPs), told the running node's name through `node`:
+    what another forward of the graph would count, counted in this one."""
     prof = CostProfiler(gm)
     prof.record = True
     prof.events = {}
@@ -173,6 +182,8 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
         stack.enter_context(prof.mem)
         if dtypes:
             prof.casts = stack.enter_context(AutocastCasts(dtypes))
+        if watch is not None:
+            prof.watch = stack.enter_context(watch)
         prof.step_output = prof.run(*flat, enable_io_processing=False)
         prof.check_generators(None)
     mark_random(gm, prof.seeded.random, prof.seeded.unreplayable)

@@ -103,6 +103,7 @@ def _solve_any(
     start=None,
     presolve: bool = True,
     offload: bool = False,
+    search_nodes: int | None = None,
 ):
     """`_solve_milp` with the backend asked for, then the other one if it fails; ILPSolveError if both do.
 
@@ -111,7 +112,7 @@ def _solve_any(
     failures: list[str] = []
     for name in _backends(backend):
         try:
-            regions, stats = _solve_milp(problem, budget, name, time_limit, gap, start, presolve, offload)
+            regions, stats = _solve_milp(problem, budget, name, time_limit, gap, start, presolve, offload, search_nodes)
         except _BackendFailure as e:
             failures.append(f"{name}: {e}")
             continue
@@ -130,11 +131,13 @@ def _solve_milp(
     start=None,
     presolve: bool = True,
     offload: bool = False,
+    search_nodes: int | None = None,
 ):
     """Build and solve the MILP; budget None minimises the peak instead. Returns (regions | None, stats).
 
     `start`: a flat, saver-ended plan that fits, given to the solver as its first incumbent. `offload`: kept
     storages may also be offloaded (`offload_terms.OffloadTerms`); the choice is `stats["offloaded"]`.
+    `search_nodes`: branch-and-bound nodes the search may take (None: no limit).
     """
     import pulp
 
@@ -323,7 +326,7 @@ def _solve_milp(
         log_path = os.path.join(tmp, "cbc.log")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # pulp 3.x announces its 4.0 API
-            name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve)
+            name, solver = _backend(backend, time_limit, gap, log_path, warm, presolve, node_limit=search_nodes)
             try:
                 with native_stdout_dropped():  # HiGHS's banner
                     prob.solve(solver)
@@ -331,7 +334,7 @@ def _solve_milp(
                 raise _BackendFailure(f"{type(e).__name__}: {str(e).strip()[:200]}") from e
         stats: dict[str, Any] = {
             "backend": name,
-            "variables": len(prob.variables()),
+            "variables": prob.numVariables(),  # counted by the solve already: variables() walks every constraint
             "constraints": prob.numConstraints(),
             "status": pulp.LpStatus[prob.status],
         }
@@ -367,10 +370,10 @@ _LOWEST_PLANS: dict[tuple[str, tuple[bool, ...]], tuple[tuple[int, int], ...]] =
 a few dozen at most."""
 
 
-def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, gap: float):
+def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, gap: float, search_nodes: int | None = None):
     """(peak, regions) of the least-peak plan known for `coarse`: the MILP's or a remembered one."""
     key = (coarse.fingerprint(), tuple(node.recomputable for node in coarse.nodes))
-    found, _ = _solve_any(coarse, None, backend, time_limit, gap)
+    found, _ = _solve_any(coarse, None, backend, time_limit, gap, search_nodes=search_nodes)
     candidates = [r for r in (found, _LOWEST_PLANS.get(key)) if r is not None]
     if not candidates:
         return None, None
@@ -409,7 +412,8 @@ def _warm_start(coarse: Problem, target: int, known=()) -> tuple[tuple[int, int]
 
 
 def _checked_solve(
-    problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool
+    problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool,
+    search_nodes: int | None = None,
 ) -> tuple[tuple[tuple[int, int], ...] | None, dict[str, Any]]:
     """Solve the MILP and check its claims against the cost model; a failed check is reported in the stats.
 
@@ -421,7 +425,7 @@ def _checked_solve(
     # HiGHS presolve (1.15) returns wrong optima on this model even when it is well scaled
     # (a 7-node DAG: 10.75 s "optimal" against 6.75 s): it stays off.
     for presolve in (False,):
-        regions, stats = _solve_any(problem, budget, backend, time_limit, gap, start, presolve)
+        regions, stats = _solve_any(problem, budget, backend, time_limit, gap, start, presolve, search_nodes=search_nodes)
         if regions is None:
             return None, stats
         problems = []
@@ -461,6 +465,7 @@ def ilp(
     fallback: bool = True,
     selective: bool = True,
     nested: bool = True,
+    search_nodes: int | None = None,
 ) -> SolverResult:
     """Least recompute time over flat region plans (exact when the graph is not coarsened) and the
     known plans of `known_plans` (nested ones from dp's table among them).
@@ -479,6 +484,9 @@ def ilp(
     `nested`: dp's plan for the budget is one of the known plans (False: only flat ones, uniform's and
     greedy's, so the answer is the flat optimum when the MILP is exact; callers that run dp themselves,
     such as `auto`, save its time that way). A known plan that wins is named in `plan_from`.
+    `search_nodes`: branch-and-bound nodes each MILP solve may take (None: no limit; 1: the root node, with
+    the solver's heuristics), a bound on the work that, unlike `time_limit`, gives the same plan on a busy
+    machine as on an idle one.
     """
     _backends(backend)  # an unknown or missing backend is the caller's error, never a fallback
     t0 = time.perf_counter()
@@ -490,7 +498,7 @@ def ilp(
     try:
         result = _ilp(
             problem, budget_bytes, backend, time_limit, gap, max_nodes, max_retries, warm_start, selective,
-            flat_plans(known),
+            flat_plans(known), search_nodes,
         )
     except ILPSolveError as e:
         if not fallback:
@@ -520,6 +528,7 @@ def _ilp(
     warm_start: bool,
     selective: bool = True,
     known=(),
+    search_nodes: int | None = None,
 ) -> SolverResult:
     n = problem.n
     if n == 0:
@@ -555,10 +564,10 @@ def _ilp(
                 # No heuristic fits: the least-peak plan is the start. With it (and the one remembered
                 # from earlier calls), a budget the solver named as its smallest is met again on the
                 # next call, however far a time-limited MILP gets.
-                lowest = _lowest_peak_plan(coarse, backend, left(), gap)
+                lowest = _lowest_peak_plan(coarse, backend, left(), gap, search_nodes)
             if start is None and lowest[1] is not None and lowest[0] <= target:
                 start = lowest[1]
-        regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact)
+        regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact, search_nodes)
         stats.update(info)
         if start is not None:
             if regions is None or recompute_time(coarse, start) < recompute_time(coarse, regions):
@@ -587,7 +596,7 @@ def _ilp(
             return _selective(problem, budget_bytes, result) if selective else result
         best_low = (peak, blocks) if best_low is None or peak < best_low[0] else best_low
     # Nothing fits: the lowest peak the model reaches.
-    low = lowest[1] if lowest is not None else _solve_any(coarse, None, backend, left(), gap)[0]
+    low = lowest[1] if lowest is not None else _solve_any(coarse, None, backend, left(), gap, search_nodes=search_nodes)[0]
     if low is not None:
         low = lift(low)
         peak = simulate(problem, low).peak_bytes

@@ -22,7 +22,7 @@ from ..costs import recompute_time, trim_flat_regions
 from ..plans import region_parents
 from ..problem import Problem
 from ..registry import SolverResult, register
-from ..simulate import simulate
+from ..simulate import KeptSearch, simulate
 
 __all__ = ["selective", "block_regions", "heavy_nodes", "refine_saved", "best_selective", "with_saved"]
 
@@ -70,10 +70,9 @@ def refine_saved(
     Returns (saved, recompute seconds, peak bytes) of the best found, `saved` as given when nothing helps.
     """
     regions = tuple(regions)
-    base_sim = simulate(problem, regions, saved=saved)
-    best = (base_sim.recompute_time, tuple(sorted(saved)), base_sim.peak_bytes)
     if not regions or budget_bytes is None:
-        return best[1], best[0], best[2]
+        base_sim = simulate(problem, regions, saved=saved)
+        return tuple(sorted(saved)), base_sim.recompute_time, base_sim.peak_bytes
     produced = [0] * problem.n
     for st in problem.storages:
         produced[st.producer] += st.nbytes
@@ -82,27 +81,35 @@ def refine_saved(
     cands = [i for i in cands if i not in chosen]
     # Seconds saved per byte kept; ties by position, so the order is the same on every run.
     cands.sort(key=lambda i: (-problem.nodes[i].time / max(1, produced[i]), i))
-
-    def evaluate(plan: set[int]) -> tuple[float, tuple[int, ...], int]:
-        ordered = tuple(sorted(plan))
-        sim = simulate(problem, regions, saved=ordered)
-        return sim.recompute_time, ordered, sim.peak_bytes
+    search = KeptSearch(problem, regions, [*chosen, *cands])  # every set below is priced on one layout
+    start = tuple(sorted(chosen))
+    best = (search.seconds(start), start, search.peak(start))
 
     lo, hi = 0, len(cands)  # largest prefix that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if evaluate(chosen | set(cands[:mid]))[2] <= budget_bytes:
+        if search.peak(chosen | set(cands[:mid])) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
     if lo:
-        trial = evaluate(chosen | set(cands[:lo]))
-        if trial[0] < best[0]:
-            best = trial
-    for i in cands[lo : lo + MAX_SINGLE_TRIES]:
-        trial = evaluate(set(best[1]) | {i})
-        if trial[2] <= budget_bytes and trial[0] < best[0]:
-            best = trial
+        plan = tuple(sorted(chosen | set(cands[:lo])))
+        seconds = search.seconds(plan)
+        if seconds < best[0]:
+            best = (seconds, plan, search.peak(plan))
+    # Then one at a time, each tried on the best plan so far: the peaks of every remaining candidate on
+    # that plan come at once, and are priced again only after a candidate is taken.
+    rest = cands[lo : lo + MAX_SINGLE_TRIES]
+    while rest:
+        taken = None
+        for k, (i, peak) in enumerate(zip(rest, search.peaks_each(best[1], rest))):
+            if peak <= budget_bytes:
+                plan = tuple(sorted({*best[1], i}))
+                seconds = search.seconds(plan)
+                if seconds < best[0]:
+                    best, taken = (seconds, plan, peak), k
+                    break
+        rest = rest[taken + 1 :] if taken is not None else []
     return best[1], best[0], best[2]
 
 
@@ -161,13 +168,15 @@ def selective(problem: Problem, budget_bytes: int | None = None) -> SolverResult
     keep = [i for i in heavy_nodes(problem) if i in inside]
     plain = simulate(problem, regions)
     stats = {"blocks": len(regions), "min_peak_bytes": plain.peak_bytes, "policy_saved": len(keep)}
-    if budget_bytes is not None and simulate(problem, regions, saved=keep).peak_bytes > budget_bytes:
+    if budget_bytes is not None:
+        # Kept ops are dropped least seconds per byte first until the plan fits: the peaks of that walk
+        # come from one layout, up to the first that fits.
         produced = [0] * problem.n
         for st in problem.storages:
             produced[st.producer] += st.nbytes
         keep.sort(key=lambda i: (problem.nodes[i].time / max(1, produced[i]), -i))
-        while keep and simulate(problem, regions, saved=keep).peak_bytes > budget_bytes:
-            keep.pop(0)
+        walk = KeptSearch(problem, regions, keep).peaks_walked(keep, keep, dropping=True, until=budget_bytes)
+        keep = keep[len(walk) - 1 :]
     return SolverResult(
         regions=regions, saved=tuple(sorted(keep)), stats={**stats, "recompute_time": recompute_time(problem, regions, keep)}
     )

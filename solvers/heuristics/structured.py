@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..costs import recompute_time
 from ..problem import Problem
 from ..registry import SolverResult, register
-from ..simulate import simulate
+from ..simulate import SimResult, simulate
 from .selective import block_regions, refine_saved, selective
 
 __all__ = ["Structured", "structured_plans", "every_n_plans", "structured"]
@@ -61,34 +61,43 @@ def every_n_plans(problem: Problem) -> list[Structured]:
 def structured_plans(problem: Problem, budget_bytes: int | None, *, refine: bool = True) -> list[Structured]:
     """Every hand-written plan of `problem` (see the module docstring); with a budget and `refine`, each
     region plan also with the kept ops that lower its predicted time while it fits."""
+    return [plan for plan, _ in _priced_plans(problem, budget_bytes, refine)]
+
+
+def _priced_plans(problem: Problem, budget_bytes: int | None, refine: bool) -> list[tuple[Structured, SimResult]]:
+    """`structured_plans` with each plan's simulated figures: every plan is simulated once (on a model of L
+    blocks there are about 2 L of them, each a region plan of its own)."""
     plans = every_n_plans(problem)
     if not plans:
         return []
     sel = selective(problem, budget_bytes)
     if sel.regions:
         plans.append(Structured("per_block_selective", tuple(sel.regions), tuple(sel.saved)))
+    priced = [(plan, simulate(problem, plan.regions, saved=plan.saved)) for plan in plans]
     if refine and budget_bytes is not None and any(node.saveable for node in problem.nodes):
         # Kept ops only add memory: refine the fastest few region plans that fit (refine_saved runs
         # dozens of simulations per plan).
-        sims = [(simulate(problem, p.regions, saved=p.saved), p) for p in plans if not p.saved]
-        fitting = sorted((s.recompute_time, k, p) for k, (s, p) in enumerate(sims) if s.peak_bytes <= budget_bytes)
+        fitting = sorted(
+            (sim.recompute_time, k, plan) for k, (plan, sim) in enumerate(priced)
+            if not plan.saved and sim.peak_bytes <= budget_bytes
+        )
         for _, _, plan in fitting[:REFINED]:
             saved, _, peak = refine_saved(problem, plan.regions, budget_bytes, plan.saved)
             if saved != plan.saved and peak <= budget_bytes:
-                plans.append(Structured(f"{plan.name}+kept", plan.regions, saved))
-    return plans
+                kept = Structured(f"{plan.name}+kept", plan.regions, saved)
+                priced.append((kept, simulate(problem, kept.regions, saved=kept.saved)))
+    return priced
 
 
 @register("structured")
 def structured(problem: Problem, budget_bytes: int | None = None) -> SolverResult:
     """The hand-written plan with the least predicted recompute that fits; with no budget, or when none
     fits, the one with the lowest peak (the caller reports it)."""
-    plans = structured_plans(problem, budget_bytes)
-    if not plans:
+    priced = _priced_plans(problem, budget_bytes, True)
+    if not priced:
         return SolverResult(regions=(), stats={"blocks": 0, "min_peak_bytes": simulate(problem, ()).peak_bytes})
     scored = []
-    for plan in plans:
-        sim = simulate(problem, plan.regions, saved=plan.saved)
+    for plan, sim in priced:
         fits = budget_bytes is not None and sim.peak_bytes <= budget_bytes
         key = (not fits, sim.recompute_time if fits else sim.peak_bytes, sim.peak_bytes, plan.name)
         scored.append((key, plan, sim.peak_bytes))
@@ -96,7 +105,7 @@ def structured(problem: Problem, budget_bytes: int | None = None) -> SolverResul
     _, best, _ = scored[0]
     stats = {
         "structured": best.name,
-        "candidates": len(plans),
+        "candidates": len(priced),
         "min_peak_bytes": min(p for _, _, p in scored),
         "recompute_time": recompute_time(problem, best.regions, best.saved),
     }

@@ -24,6 +24,20 @@ def _models(names) -> list:
     return [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in names]
 
 
+_CAPTURED: dict[str, tuple] = {}
+
+
+def captured(name: str) -> tuple:
+    """(model, inputs, capture) of a model of tests.models.small, made once per model for this file: the
+    three tests below only read them, and the capture (an export for the transformers) was most of their
+    time. The eager step of `eager_saved_bytes` may move BatchNorm's running statistics, which no byte
+    count here depends on."""
+    if name not in _CAPTURED:
+        model, inputs = ALL[name]()
+        _CAPTURED[name] = (model, inputs, capture(model, inputs))
+    return _CAPTURED[name]
+
+
 def eager_saved_bytes(model, args, kwargs) -> int:
     """What one global saved_tensors_hooks sees on the eager model, by storage."""
     external = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
@@ -49,8 +63,7 @@ def eager_saved_bytes(model, args, kwargs) -> int:
 
 @pytest.mark.parametrize("name", _models(ALL))
 def test_saved_bytes_equal_eager_hooks(name):
-    model, inputs = ALL[name]()
-    cap = capture(model, inputs)
+    model, inputs, cap = captured(name)
     cost = profile(cap, FAST)
     assert cost.total_saved_bytes == eager_saved_bytes(model, cap.args, cap.kwargs)
     assert cost.total_saved_bytes > 0
@@ -62,8 +75,7 @@ def test_saved_bytes_equal_eager_hooks(name):
 
 @pytest.mark.parametrize("name", _models(ALL))
 def test_capture_path(name):
-    model, inputs = ALL[name]()
-    cap = capture(model, inputs)
+    model, inputs, cap = captured(name)
     expected = "symbolic_trace" if name in LOCAL else "export"
     assert cap.method == expected
     if name in HF:
@@ -84,8 +96,7 @@ def test_untraceable_model_gives_clear_error():
 
 @pytest.mark.parametrize("name", _models(["mlp", "cnn", "tiny_gpt", "gpt2", "bert", "vit", "resnet"]))
 def test_meta_mode_bytes_equal_real(name):
-    model, inputs = ALL[name]()
-    cap = capture(model, inputs)
+    model, inputs, cap = captured(name)
     real = profile(cap, FAST)
     fake = profile(cap, ProfileConfig(meta=True))
     assert fake.time_source == "flops" and real.time_source == ("fitted" if FAST.anchor else "measured")
