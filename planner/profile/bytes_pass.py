@@ -29,6 +29,7 @@ import torch
 from ..capture.trace import Capture
 from ..progress import logger, stage
 from .graph import CostGraph
+from .memory import collections_of_new_objects
 from .profiler import ProfileConfig, fake_profile, profile
 from .timing import with_step_times
 from .timing_store import store_dir
@@ -122,6 +123,7 @@ PROFILES = ProfileMemo()
 """The process's measured profiles (Planner reads and fills it)."""
 
 
+@collections_of_new_objects()  # its allocator windows each collect garbage first
 def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileConfig,
                          check_bytes: Callable[[CostGraph], None] | None = None,
                          plain_fits: Callable[[CostGraph], bool] | None = None) -> CostGraph:
