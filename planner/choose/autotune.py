@@ -17,7 +17,10 @@ few interleaved training steps:
   whole round cancels, so the band is what tells plans apart, not how busy the machine was;
 * after LEAVE_AFTER rounds, a candidate that does not fit, or whose fastest step is more than LEAVE_BEYOND
   slower than the leader's, is timed no more, and the race ends when one candidate is left: a clear
-  winner costs a few rounds, not all of them (the Quickstart's GPT-2: 18 model steps, 27 before);
+  winner costs a few rounds, not all of them;
+* only what can change the answer races: a plan with the same checkpoint calls as one already in the race,
+  predicted within MIN_BAND of a step of it, is a tie no round could break, so it is left out (`candidates`);
+  and however few plans race, they get at most MAX_ROUNDS rounds;
 * the whole costs at most `steps` model steps (default AUTOTUNE_STEPS = 30).
 
 `tune` returns the choice and a JSON record of every candidate's predicted and measured figures (the
@@ -61,7 +64,7 @@ from .safety_net import reference_module
 from .solve import finish
 
 __all__ = [
-    "AUTOTUNE_STEPS", "LEAVE_AFTER", "LEAVE_BEYOND", "in_the_race", "model_steps", "MAX_CANDIDATES", "Candidate",
+    "AUTOTUNE_STEPS", "LEAVE_AFTER", "LEAVE_BEYOND", "in_the_race", "model_steps", "MAX_CANDIDATES", "MAX_ROUNDS", "Candidate",
     "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
     "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned", "explicit_variants",
@@ -69,8 +72,14 @@ __all__ = [
 
 AUTOTUNE_STEPS = 30
 """Model steps autotune may run in all, by default (measurement and the winner's exactness check)."""
-MAX_CANDIDATES = 4
-"""Plans measured at most (the solver's plan among them)."""
+MAX_CANDIDATES = 3
+"""Plans measured at most: the solver's, the best hand-written one and the best of another solver (a fourth,
+the next best predicted, is one of these kinds again and cost the Quickstart 1.6 s)."""
+MAX_ROUNDS = 3
+"""Timed rounds at most, however few candidates race: a field of two gets the rounds a field of four does,
+not the whole cap (the noise of a fastest step does not depend on how many plans share the race). Three
+fastest-of-three steps tell apart what this project's 2-core CPU can tell apart at all (its noise band is 3-5 %
+of a step); a fourth round cost the Quickstart 2 s of its 15."""
 MIN_BAND, MAX_BAND = 0.01, 0.05
 """The noise band (a fraction of a step) is the rounds' own paired spread, held between these."""
 LEAVE_AFTER = 2
@@ -209,15 +218,28 @@ def candidates(
         seen.add((c.regions, c.saved))
         pool.append(c)
     pool.sort(key=lambda c: (c.predicted_extra_s, c.predicted_peak_bytes, c.label))
+    untied: list[Candidate] = []
+    tie = MIN_BAND * problem.base_step_s
+    for c in pool:  # fastest predicted first: of a tie, the solver's plan or the predicted-fastest stays
+        if not any(_same_calls(c, d) and abs(c.predicted_extra_s - d.predicted_extra_s) <= tie for d in [chosen, *untied]):
+            untied.append(c)
     picked = [chosen]
     firsts = [
-        next((c for c in pool if _hand_written(c.label) and "+kept" not in c.label), None),
-        next((c for c in pool if not _hand_written(c.label)), None),  # a runner-up solver's plan
+        next((c for c in untied if _hand_written(c.label) and "+kept" not in c.label), None),
+        next((c for c in untied if not _hand_written(c.label)), None),  # a runner-up solver's plan
     ]
-    for c in [*firsts, *pool]:
+    for c in [*firsts, *untied]:
         if c is not None and c not in picked and len(picked) < limit:
             picked.append(c)
     return picked
+
+
+def _same_calls(a: Candidate, b: Candidate) -> bool:
+    """The same checkpoint calls (regions, whole modules, offloads): the plans differ in a few ops kept inside.
+    Predicted within MIN_BAND of a step of each other, two such plans are a tie no race can break (its band is
+    at least MIN_BAND): only one of them races, the solver's plan where it is one of them, else the
+    predicted-fastest (where ties go), and the other's steps go to plans that differ."""
+    return (a.regions, a.modules, a.offloaded) == (b.regions, b.modules, b.offloaded)
 
 
 def _hand_written(label: str) -> bool:
@@ -226,12 +248,13 @@ def _hand_written(label: str) -> bool:
 
 def schedule(n_candidates: int, steps: int) -> tuple[int, int]:
     """(candidates, timed rounds) within `steps` model steps: each candidate one peak step and a step per
-    round, the plain graph a warm-up step and one per round, CHECK_STEPS kept for the winner's check.
-    Fewer candidates before fewer than three rounds; (0, 0) when not even two candidates fit."""
+    round, the plain graph a warm-up step and one per round, CHECK_STEPS kept for the winner's check; at
+    most MAX_ROUNDS rounds. Fewer candidates before fewer than three rounds; (0, 0) when not even two
+    candidates fit."""
     room = steps - CHECK_STEPS
     n = n_candidates
     while n >= 2:
-        rounds = room // (n + 1) - 1
+        rounds = min(MAX_ROUNDS, room // (n + 1) - 1)
         if rounds >= 3 or (n == 2 and rounds >= 1):
             return n, rounds
         n -= 1

@@ -189,7 +189,36 @@ def test_steps_never_exceed_the_cap(cap):
         assert n >= 2 and rounds >= 1
     else:
         assert tuned.index is None and "skipped" in tuned.record
-    assert at.schedule(4, 30) == (4, 4)  # the default: 4 candidates, 4 rounds, 25 steps + 2 for the check
+    assert at.schedule(4, 30) == (4, 3)  # the default: 4 candidates, 3 rounds, 20 steps + 2 for the check
+
+
+def test_a_race_of_few_plans_gets_the_rounds_of_four_not_the_whole_cap():
+    assert at.schedule(2, 30) == (2, at.MAX_ROUNDS)
+    assert at.schedule(3, 30) == (3, at.MAX_ROUNDS)
+    assert at.schedule(2, 8) == (2, 1)  # a small cap still bounds it
+
+
+def _kept_twin_field(step_s: float) -> tuple[Problem, at.Candidate, list[at.Candidate]]:
+    """The solver's plan (the blocks, nothing kept), its twin that keeps one op inside (same checkpoint calls,
+    2 s slower) and a plan with other calls, on a step of `step_s` seconds."""
+    problem = dataclasses.replace(blocks_problem(layers=5), step_time_s=step_s)
+    blocks = block_regions(problem)
+    budget = simulate(problem, ()).peak_bytes  # everything fits: the field is decided by the calls and times
+    kept = blocks[1][0] + 1  # a gelu (2 s) inside the second block
+    solver = at._candidate(problem, "solver", blocks, (kept,), None)
+    twin = ("dp", blocks, ())  # the same calls, recomputing the gelu: 2 s slower
+    other = ("uniform", blocks[::2], ())
+    return problem, solver, at.candidates(problem, solver, budget, budget, [twin, other], hand_written=False)
+
+
+def test_a_tie_with_the_same_checkpoint_calls_is_not_raced():
+    _, solver, picked = _kept_twin_field(step_s=1000.0)  # 2 s is 0.2 % of the step: within MIN_BAND, a tie
+    assert picked[0] is solver and [c.label for c in picked] == ["solver", "uniform"]
+
+
+def test_the_same_calls_predicted_apart_beyond_the_band_both_race():
+    _, solver, picked = _kept_twin_field(step_s=100.0)  # 2 s is 2 % of the step: the clock can tell
+    assert picked[0] is solver and {c.label for c in picked} == {"solver", "dp", "uniform"}
 
 
 def test_steps_for_defaults():
