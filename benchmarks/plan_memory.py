@@ -282,6 +282,8 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
             rest = [r["wall_s"] - r.get("stages_s", {}).get("autotune", 0.0) for r in got]
             apart = f"{rest[-1] / rest[0]:.2f}x" if all(r.get("stages_s") for r in got) else "not recorded"
             lines.append(f"| {label} | " + " | ".join(f"{w:.1f}" for w in walls) + f" | {walls[-1] / walls[0]:.2f}x | {apart} |")
+        if meta.get("depth_note"):
+            lines += ["", meta["depth_note"]]
         lines += ["", "Seconds per stage (the planner's log):", "", "| path | layers | stages |", "|---|---|---|"]
         for r in depth:
             split = ", ".join(f"{k} {v:.1f}" for k, v in r.get("stages_s", {}).items()) or "not recorded in that run"
@@ -306,9 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--depth", action="store_true", help=f"also time planning at {DEPTHS} layers on each path")
     ap.add_argument("--zoo", action="store_true", help="also plan the zoo on each profile (plans and prediction errors)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--depth-note", default="", help="a line printed under the depth table (the machine's state)")
     a = ap.parse_args(argv)
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs (no GPU)", "torch": torch.__version__,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "depth_note": a.depth_note}
     rows = []
     for name in a.cases:
         for path in a.paths:

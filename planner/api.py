@@ -11,6 +11,7 @@ to `PartialPlanner`, compiled plans to `CompiledPlanner`: all three answer the s
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from .capture.frozen import ValueGuard, frozen_values, stale_note
 from .capture.preflight import nothing_to_plan, refuse_grad_mode
 from .capture.trace import capture
 from .choose.assemble import plan_record
-from .choose.autotune import WHOLE_MODULES, autotuned, steps_for
+from .choose.autotune import WHOLE_MODULES, autotuned, race_steps, steps_for
 from .choose.base import BasePlanner
 from .choose.budget import check_feasible, plain_step_fits, within_device_limit
 from .choose.inexact import inexact_setup, plan_inexact
@@ -138,6 +139,7 @@ class Planner(BasePlanner):
         setup = setup or Setup.of(**keywords)
         if isinstance(feasible_for, Mapping):
             feasible_for = PlanRequest.of(**feasible_for)
+        started = time.perf_counter()
         refuse_grad_mode()
         model, example_inputs, exported = accept_exported(model, example_inputs)
         if setup.outputs == "loss":
@@ -176,10 +178,12 @@ class Planner(BasePlanner):
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)
         self.profiled.values = values
+        self.prepared_s = time.perf_counter() - started
+        """Seconds the capture and the profile took: part of the planning the default race is held to."""
 
     def plan_for(self, request: PlanRequest) -> Plan:
         """Solve one budget, check the plan's step against the model's, race the best plans, lower it."""
-        p = self.profiled
+        p, started = self.profiled, time.perf_counter()
         empty = nothing_to_plan(p.model, p.capture.graph_module, p.cost.total_saved_bytes)
         if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
             raise empty
@@ -206,6 +210,14 @@ class Planner(BasePlanner):
                 solution, notes = checked(p, solution, notes, budget, request)
         offloads = bool(solution.offloaded)
         if steps and budget is not None and (solution.regions or offloads) and not keep and p.real:
+            if request.autotune is None and self.autotune is None:  # the default race: at most the planning's time
+                planning_s = self.prepared_s + time.perf_counter() - started
+                held = race_steps(steps, planning_s, p.problem.base_step_s)
+                if held < steps:
+                    notes = [*notes, f"autotune: held to {held} model steps of about {p.problem.base_step_s:.2f} s, "
+                                     f"the {planning_s:.0f} s the planning before it took (autotune={steps} runs "
+                                     "them all)"]
+                steps = held
             with stage("autotune", f"the best plans that fit, timed on the device, at most {steps} steps"):
                 solution, tuned = autotuned(p, solution, budget, request, steps)
             notes = notes + tuned

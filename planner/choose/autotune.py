@@ -67,7 +67,7 @@ __all__ = [
     "AUTOTUNE_STEPS", "LEAVE_AFTER", "LEAVE_BEYOND", "in_the_race", "model_steps", "MAX_CANDIDATES", "MAX_ROUNDS", "Candidate",
     "Measured", "Tuned", "candidates", "schedule", "choose",
     "tune", "device_measure", "stored_choice", "RUNNERS_UP", "autotune_solution",
-    "steps_for", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned", "explicit_variants",
+    "steps_for", "race_steps", "AUTOTUNE_ENV", "WHOLE_MODULES", "autotuned", "explicit_variants",
 ]
 
 AUTOTUNE_STEPS = 30
@@ -163,6 +163,18 @@ def steps_for(autotune: bool | int | None, clock: bool) -> int:
     dist = torch.distributed
     ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     return AUTOTUNE_STEPS if clock and not off and not ranks else 0
+
+
+def race_steps(steps: int, planning_s: float, step_s: float) -> int:
+    """The model steps the default race may run: `steps`, but no more steps of `step_s` seconds than the
+    planning before the race took (`planning_s`: capture, profile, solve, check), so that the race at most
+    doubles the time to a plan. The steps a race needs grow with the model's step, the rest of planning
+    less (identical stages are measured once): a 24-layer Llama's race took 30 s of its 51, the 4-layer
+    one's 6.7 of 14. At least one, so that a choice kept in the timing store is still read back (a race
+    with no room for two candidates is skipped, and says so in its record)."""
+    if steps <= 0 or step_s <= 0:
+        return steps
+    return max(1, min(steps, int(planning_s / step_s)))
 
 
 # fn(candidates, rounds, racing) -> (one Measured per candidate, the plain graph's step times). `racing`

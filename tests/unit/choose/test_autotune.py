@@ -221,6 +221,17 @@ def test_the_same_calls_predicted_apart_beyond_the_band_both_race():
     assert picked[0] is solver and {c.label for c in picked} == {"solver", "dp", "uniform"}
 
 
+def test_the_default_race_costs_at_most_the_planning_before_it():
+    assert at.race_steps(30, planning_s=8.0, step_s=0.4) == 20  # the Quickstart: its 17 steps fit
+    assert at.race_steps(30, planning_s=20.0, step_s=2.0) == 10  # a 24-layer model: half the steps
+    assert at.race_steps(30, planning_s=100.0, step_s=0.1) == 30  # never beyond the cap
+    assert at.race_steps(30, planning_s=1.0, step_s=5.0) == 1  # one: a stored choice is still read back
+    assert at.race_steps(30, planning_s=1.0, step_s=0.0) == 30  # no step time known: the cap
+    assert at.race_steps(0, planning_s=100.0, step_s=0.1) == 0  # off stays off
+    n, rounds = at.schedule(3, at.race_steps(30, 20.0, 2.0))
+    assert (n + 1) * (rounds + 1) + at.CHECK_STEPS <= 10
+
+
 def test_steps_for_defaults():
     assert at.steps_for(None, clock=False) == 0
     assert at.steps_for(True, clock=False) == at.AUTOTUNE_STEPS
@@ -302,6 +313,32 @@ def test_optimize_takes_the_fastest_on_the_clock_records_it_and_the_next_run_agr
     # the chosen module trains exactly like the model
     out = again.module(*inputs)
     assert torch.isfinite(out).all()
+
+
+def test_the_default_race_is_held_to_the_planning_time_and_says_so(store_dir, monkeypatch):
+    from ckpt_planner.profile.profiler import ProfileConfig
+
+    clock, seen = FakeClock(), []
+    monkeypatch.setattr(at, "device_measure", clock)
+    monkeypatch.delenv(at.AUTOTUNE_ENV, raising=False)  # the default: on where times are measured
+
+    def held(steps, planning_s, step_s):
+        seen.append((steps, planning_s, step_s))
+        return 12
+
+    monkeypatch.setattr(api, "race_steps", held)
+    model, inputs = mlp()
+    planner = api.Planner(model, inputs, profile_config=ProfileConfig(warmup=0, repeats=1))
+    base = planner.no_checkpoint_peak_bytes
+    budget = int(planner.problem.fixed_bytes + 0.45 * (base - planner.problem.fixed_bytes))
+    plan = planner.plan(budget_bytes=budget)
+    assert seen and seen[0][0] == at.AUTOTUNE_STEPS and seen[0][1] >= planner.prepared_s > 0
+    assert seen[0][2] == planner.problem.base_step_s
+    assert clock.calls == 1 and plan.stats["autotune"]["steps"] + at.CHECK_STEPS <= 12
+    assert any(n.startswith("autotune: held to 12 model steps") for n in plan.notes)
+    seen.clear()
+    planner.plan(budget_bytes=budget, autotune=True)  # asked for: the whole cap, not held
+    assert not seen
 
 
 def test_a_candidate_over_the_budget_on_the_clock_is_not_chosen(store_dir, monkeypatch):
