@@ -7,7 +7,9 @@ after its root node. Large: no ilp. dp and
 ilp also try saved ops inside their regions. Every plan is simulated; the
 least predicted recompute time (checkpoint-call and policy costs included,
 so the least predicted step time) among those within the budget wins (ties:
-the lower peak). When none fits, the lowest simulated peak is reported.
+the lower peak). When none fits, the plan of least peak is polished (`heuristics/polish.py`: its
+regions moved, split, merged or dropped while the peak falls); the polished plan is taken where it
+fits, else its peak is the smallest budget reported.
 When every MILP backend fails, the plans of the other solvers stand and
 `stats["ilp_fallback"]` says why the MILP is missing.
 
@@ -29,6 +31,7 @@ from .exact.dp import DPSearch
 from .exact.ilp import MAX_NODES
 from .exact.ilp_offload import ilp_offload
 from .exact.milp_backend import ILPSolveError
+from .heuristics.polish import lower_peak
 from .offload import choose_offloads, most_offloaded
 from .problem import Problem
 from .registry import SolverResult, get_solver, register
@@ -99,6 +102,7 @@ def auto(
     tried: dict[str, Any] = {}
     best = None  # (fits, time, peak, name, result)
     low = None
+    lowest = None  # (peak, name, result) of the plan of least peak
     failed: dict[str, str] = {}
     for name in names:
         options: dict[str, Any] = {}
@@ -132,10 +136,21 @@ def auto(
         key = (not fits, sim.recompute_time if fits else sim.peak_bytes, sim.peak_bytes)
         if best is None or key < best[0]:
             best = (key, name, result)
+        if lowest is None or sim.peak_bytes < lowest[0]:
+            lowest = (sim.peak_bytes, name, result)
         if fits and sim.recompute_time == 0:
             break  # nothing beats no recompute
     if best is None:
         raise ILPSolveError("; ".join(failed.values()))  # the portfolio was the MILP alone
+    if best[0][0] and not lowest[2].offloaded:  # nothing fits: the plan of least peak, polished
+        regions, peak = lower_peak(problem, lowest[2].regions, target=budget_bytes)
+        if peak < lowest[0]:
+            name = f"{lowest[1]}, polished"
+            sim = simulate(problem, regions)
+            fits = peak <= budget_bytes
+            tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": peak, "fits": fits}
+            low = min(low, peak)
+            best = ((not fits, sim.recompute_time if fits else peak, peak), name, SolverResult(regions=regions))
     if problem.can_offload and not (best[0][0] is False and best[0][1] == 0):
         for name, result in _offload_plans(problem, budget_bytes, best[2], time_limit, "ilp" in names):
             sim = simulate(problem, result.regions, saved=result.saved, offloaded=result.offloaded)

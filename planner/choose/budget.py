@@ -29,6 +29,7 @@ from ..capture.preflight import nothing_to_plan
 from ..capture.trace import autocast_blocks
 from ..profile.memory import allocator_limit, device_room
 from ..settings import PlanRequest
+from ..solvers.heuristics.polish import lower_peak
 from ..solvers.offload import most_offloaded
 from ..solvers.problem import Problem, Solution
 from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
@@ -79,7 +80,7 @@ def floor_plan(
     extra: Sequence[Regions] = (),
 ) -> tuple[int, Regions, tuple[int, ...]]:
     """(peak bytes, regions, offloaded storages) of the least-memory plan `solver` finds on deterministic
-    costs, finished.
+    costs, finished; for `auto`, that plan polished (`solvers/heuristics/polish.py`) where that lowers it.
 
     `extra`: plans that are candidates too (the model's own checkpoint regions).
 
@@ -106,6 +107,11 @@ def floor_plan(
             if best is None or (peak, len(finished), len(offloaded)) < (best[0], len(best[1]), len(best[2])):
                 best = (peak, finished, tuple(offloaded))
     assert best is not None
+    if solver == "auto" and not best[2]:  # auto's floor: the least-peak plan polished, as auto polishes it
+        polished, _ = finish(lower_peak(problem, best[1])[0])
+        peak = simulate(problem, polished).peak_bytes
+        if peak < best[0]:
+            best = (peak, polished, ())
     return best
 
 

@@ -1,0 +1,85 @@
+"""`lower_peak`: a plan's regions moved, split, merged or dropped one at a time while its simulated peak falls.
+
+The solvers' lowest-peak plans are the lowest of their own plan spaces: the ILP's graph is coarsened
+(runs of nodes merged, so some region bounds cannot be placed), dp's regions follow its own segment
+structure. Where no plan of the portfolio fits a budget, `auto` polishes the plan of least peak with this
+local search before it names the smallest budget, and takes the polished plan where it fits. On a stock
+Llama (4 layers x 128) with its token-wise work chunked, at 2,048 tokens, the ILP's lowest peak was
+27.69 MB and the polished plan's 25.50 MB: merging two attention regions and moving a region's end off
+an attention output.
+
+Each step tries every move of one region (its start or its end to any node between its neighbours, a
+split at any node, a merge with the next region, dropping it) and takes the one of least peak, then of
+least recompute. The work is bounded by node-simulations (`max_work`), not by a clock, so the plan is
+the same on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..plans import normalize_regions
+from ..problem import Problem, ProblemError
+from ..simulate import simulate
+
+__all__ = ["MAX_WORK", "lower_peak"]
+
+MAX_WORK = 1_000_000
+"""Nodes simulated at most (simulations x nodes): about 2 s on a 2-core CPU."""
+
+Regions = tuple[tuple[int, int], ...]
+
+
+def _moves(regions: Regions, n: int) -> Iterator[Regions]:
+    """Every plan one move away from `regions` (flat: sorted, disjoint)."""
+    cur = list(regions)
+    for i, (s, e) in enumerate(cur):
+        lo = cur[i - 1][1] + 1 if i else 0
+        hi = cur[i + 1][0] - 1 if i + 1 < len(cur) else n - 1
+        before, after = cur[:i], cur[i + 1:]
+        for s2 in range(lo, e + 1):
+            if s2 != s:
+                yield (*before, (s2, e), *after)
+        for e2 in range(s, hi + 1):
+            if e2 != e:
+                yield (*before, (s, e2), *after)
+        for k in range(s, e):
+            yield (*before, (s, k), (k + 1, e), *after)
+        if after:
+            yield (*before, (s, after[0][1]), *after[1:])
+        yield (*before, *after)
+
+
+def lower_peak(problem: Problem, regions: Regions, target: int | None = None,
+               max_work: int = MAX_WORK) -> tuple[Regions, int]:
+    """(regions, peak): `regions` (flat) after moves that lower the simulated peak, until the peak is
+    within `target`, no move lowers it, or `max_work` node-simulations are spent. Nested plans are
+    returned as they are."""
+    n = problem.n
+    try:
+        cur = normalize_regions(problem, regions)
+    except ProblemError:
+        return tuple(regions), simulate(problem, tuple(regions)).peak_bytes
+    sim = simulate(problem, cur)
+    score = (sim.peak_bytes, sim.recompute_time)
+    if any(b[0] <= a[1] for a, b in zip(cur, cur[1:])) or n == 0:
+        return cur, score[0]  # nested: the moves below assume disjoint regions
+    work = 0
+    while (target is None or score[0] > target) and work < max_work:
+        step = None
+        for plan in _moves(cur, n):
+            if work >= max_work:
+                break
+            work += n
+            try:
+                plan = normalize_regions(problem, plan)
+            except ProblemError:
+                continue  # a region over a node that must not be recomputed
+            s = simulate(problem, plan)
+            key = (s.peak_bytes, s.recompute_time)
+            if key < score and (step is None or key < step[0]):
+                step = (key, plan)
+        if step is None:
+            break
+        score, cur = step
+    return cur, score[0]
