@@ -10,7 +10,8 @@ an attention output.
 
 Each step tries every move of one region (its start or its end to any node between its neighbours, a
 split at any node, a merge with the next region, dropping it) and takes the one of least peak, then of
-least recompute. The work is bounded by node-simulations (`max_work`), not by a clock, so the plan is
+least recompute; where no such move lowers the peak, a region nested at a region's start or end (the
+same plan at 2,048 tokens: 24.06 MB with layer 0's part nested in the region of layers 0 and 1). The work is bounded by node-simulations (`max_work`), not by a clock, so the plan is
 the same on any machine.
 """
 
@@ -50,10 +51,22 @@ def _moves(regions: Regions, n: int) -> Iterator[Regions]:
         yield (*before, *after)
 
 
+def _nests(regions: Regions) -> Iterator[Regions]:
+    """Every plan with one region more, nested in a top-level region of `regions` at its start or its end:
+    within the outer region's recompute, the inner one's part runs again in the backward of its own, so
+    the outer recompute no longer holds what the inner part made."""
+    tops = [(s, e) for s, e in regions if not any(o != (s, e) and o[0] <= s and e <= o[1] for o in regions)]
+    for s, e in tops:
+        for inner in [*((s, b) for b in range(s, e)), *((a, e) for a in range(s + 1, e + 1))]:
+            if inner not in regions:
+                yield (*regions, inner)
+
+
 def lower_peak(problem: Problem, regions: Regions, target: int | None = None,
                max_work: int = MAX_WORK) -> tuple[Regions, int]:
     """(regions, peak): `regions` (flat) after moves that lower the simulated peak, until the peak is
-    within `target`, no move lowers it, or `max_work` node-simulations are spent. Nested plans are
+    within `target`, no move lowers it, or `max_work` node-simulations are spent: first the moves of
+    flat plans, then regions nested at a top-level region's start or end. Plans nested already are
     returned as they are."""
     n = problem.n
     try:
@@ -65,21 +78,22 @@ def lower_peak(problem: Problem, regions: Regions, target: int | None = None,
     if any(b[0] <= a[1] for a, b in zip(cur, cur[1:])) or n == 0:
         return cur, score[0]  # nested: the moves below assume disjoint regions
     work = 0
-    while (target is None or score[0] > target) and work < max_work:
-        step = None
-        for plan in _moves(cur, n):
-            if work >= max_work:
+    for moves in (_moves, _nests):
+        while (target is None or score[0] > target) and work < max_work:
+            step = None
+            for plan in moves(cur, n) if moves is _moves else moves(cur):
+                if work >= max_work:
+                    break
+                work += n
+                try:
+                    plan = normalize_regions(problem, plan)
+                except ProblemError:
+                    continue  # a region over a node that must not be recomputed
+                s = simulate(problem, plan)
+                key = (s.peak_bytes, s.recompute_time)
+                if key < score and (step is None or key < step[0]):
+                    step = (key, plan)
+            if step is None:
                 break
-            work += n
-            try:
-                plan = normalize_regions(problem, plan)
-            except ProblemError:
-                continue  # a region over a node that must not be recomputed
-            s = simulate(problem, plan)
-            key = (s.peak_bytes, s.recompute_time)
-            if key < score and (step is None or key < step[0]):
-                step = (key, plan)
-        if step is None:
-            break
-        score, cur = step
+            score, cur = step
     return cur, score[0]

@@ -27,9 +27,11 @@ def test_polishing_lowers_the_peak_of_the_ilps_lowest_plan(llama):
     start = ilp(llama, 1, time_limit=5.0, fallback=False, nested=True)  # a budget of 1 byte: its lowest peak
     before = simulate(llama, start.regions).peak_bytes
     regions, peak = lower_peak(llama, start.regions)
-    assert normalize_regions(llama, regions) == regions  # a plan: in bounds, recomputable, disjoint
+    assert normalize_regions(llama, regions) == regions  # a plan: in bounds, recomputable, properly nested
     assert peak == simulate(llama, regions).peak_bytes
-    assert peak <= 0.95 * before  # 27.69 MB -> 25.50 MB when measured in writing this test
+    # 27.69 MB -> 25.50 MB with flat moves, 24.06 MB with a region nested in one (measured in writing this test)
+    assert peak <= 0.9 * before
+    assert any(o != r and o[0] <= r[0] and r[1] <= o[1] for r in regions for o in regions)  # it took a nest
 
 
 def test_polishing_stops_at_the_target_and_never_raises_the_peak(llama):
