@@ -52,11 +52,17 @@ def _moves(regions: Regions, n: int) -> Iterator[Regions]:
 
 
 def _nests(regions: Regions) -> Iterator[Regions]:
-    """Every plan with one region more, nested in a top-level region of `regions` at its start or its end:
+    """Every plan with one region more, nested in a top-level region of `regions` that holds none yet, at its
+    start or its end:
     within the outer region's recompute, the inner one's part runs again in the backward of its own, so
     the outer recompute no longer holds what the inner part made."""
-    tops = [(s, e) for s, e in regions if not any(o != (s, e) and o[0] <= s and e <= o[1] for o in regions)]
-    for s, e in tops:
+    def inside(r, o):
+        return o != r and o[0] <= r[0] and r[1] <= o[1]
+
+    tops = [r for r in regions if not any(inside(r, o) for o in regions)]
+    # One child at most: the simulator's peak for a region holding two nested ones was 2.35 MB (10 %) under the
+    # allocator's on a stock Llama at 1,536 tokens, and exact for one child at its start (24.06 MB measured).
+    for s, e in (r for r in tops if not any(inside(c, r) for c in regions)):
         for inner in [*((s, b) for b in range(s, e)), *((a, e) for a in range(s + 1, e + 1))]:
             if inner not in regions:
                 yield (*regions, inner)
