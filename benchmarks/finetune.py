@@ -189,6 +189,7 @@ def regions_match(read_back: list[list[Any]], planned: list[list[Any]]) -> bool:
 
 def _applied(callback, running: list[Any]) -> dict[str, Any]:
     """What the callback applied, and whether the graph that ran is the plan it chose."""
+    from ckpt_planner.lower.apply import checkpointed_modules
     from ckpt_planner.lower.inplace import executed_regions
     from ckpt_planner.lower.rewrite import CheckpointedModule
 
@@ -205,7 +206,15 @@ def _applied(callback, running: list[Any]) -> dict[str, Any]:
         "plan_predicted_peak_bytes": plan.predicted_peak_bytes, "baseline_peak_bytes": plan.baseline_peak_bytes,
         "budget_bytes": plan.budget_bytes,
     }
-    if app.kind == "graph":
+    whole = list(plan.stats.get("whole_modules") or ())
+    if app.kind == "graph" and whole:  # the race's winner runs as the model's own code, those modules checkpointed
+        ran_modules = list(checkpointed_modules(plan.module))
+        out["every_step_ran_the_plan"] = bool(running) and all(m is plan.module for m in running)
+        out["steps_checked"] = len(running)
+        out["whole_module_plan"] = autotune.get("chosen")
+        out["modules_planned"], out["modules_run"] = whole, ran_modules
+        out["plan_is_chosen"] = out["every_step_ran_the_plan"] and sorted(ran_modules) == sorted(whole)
+    elif app.kind == "graph":
         ran = executed_regions(plan.module)
         out["every_step_ran_the_plan"] = bool(running) and all(m is plan.module for m in running)
         out["steps_checked"] = len(running)
@@ -360,7 +369,7 @@ def markdown(results: dict[str, Any]) -> str:
         what = f"{app['kind']}: {app['solver']}"
         if app.get("chosen") and app["chosen"] != app["solver"]:
             what += f" (autotune: {app['chosen']})"
-        if app["kind"] == "modules":
+        if app["kind"] == "modules" or app.get("modules_planned"):
             what += f"; whole-module plan '{app.get('whole_module_plan')}'"
         what += f", {app['regions']} regions"
         lm = run["longest_measured"]

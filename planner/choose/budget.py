@@ -80,7 +80,7 @@ def floor_plan(
     extra: Sequence[Regions] = (),
 ) -> tuple[int, Regions, tuple[int, ...]]:
     """(peak bytes, regions, offloaded storages) of the least-memory plan `solver` finds on deterministic
-    costs, finished; for `auto`, that plan polished (`solvers/heuristics/polish.py`) where that lowers it.
+    costs, finished.
 
     `extra`: plans that are candidates too (the model's own checkpoint regions).
 
@@ -107,11 +107,6 @@ def floor_plan(
             if best is None or (peak, len(finished), len(offloaded)) < (best[0], len(best[1]), len(best[2])):
                 best = (peak, finished, tuple(offloaded))
     assert best is not None
-    if solver == "auto" and not best[2]:  # auto's floor: the least-peak plan polished, as auto polishes it
-        polished, _ = finish(lower_peak(problem, best[1])[0])
-        peak = simulate(problem, polished).peak_bytes
-        if peak < best[0]:
-            best = (peak, polished, ())
     return best
 
 
@@ -135,19 +130,30 @@ def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str
     return text
 
 
-def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool) -> tuple[int, Regions, tuple[int, ...]]:
-    """The floor plan of `p` for this solver (cached until the safety net narrows the problem)."""
+def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool,
+             target: int | None = None) -> tuple[int, Regions, tuple[int, ...]]:
+    """The floor plan of `p` for this solver (cached until the safety net narrows the problem). For `auto`,
+    a floor above `target` (the budget the solvers plan for) is polished (`solvers/heuristics/polish.py`),
+    as auto polishes its plan of least peak where nothing fits: only where the polish can decide whether
+    the budget is met, as it takes up to a few seconds."""
     key = (solver, keep, repr(sorted(options.items())))
+    graph = p.capture.graph_module
+
+    def finish(regions):
+        return finish_regions(p.problem, graph, regions, p.own_regions if keep else ())
+
     if key not in p.floors:
         # The model's own regions are a plan too: replacing them never needs more memory than keeping them.
         extra = [p.own_regions] if p.own_regions else []
-        graph = p.capture.graph_module
-
-        def finish(regions):
-            return finish_regions(p.problem, graph, regions, p.own_regions if keep else ())
-
         p.floors[key] = floor_plan(p.problem, solver, options, finish, extra)
-    return p.floors[key]
+    floor = p.floors[key]
+    if solver != "auto" or target is None or floor[0] <= target or floor[2]:
+        return floor
+    if (*key, "polished") not in p.floors:
+        polished, _ = finish(lower_peak(p.problem, floor[1])[0])
+        peak = simulate(p.problem, polished).peak_bytes
+        p.floors[(*key, "polished")] = (peak, polished, ()) if peak < floor[0] else floor
+    return p.floors[(*key, "polished")]
 
 
 def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
@@ -160,7 +166,7 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     if plain_peak <= budget and not keep:
         return
     fixed = problem.fixed_bytes
-    floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep)
+    floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep, inner_budget(budget, fixed, margin))
     as_is = given_peak if keep else min(plain_peak, given_peak)
     if p.cost.stages:
         refuse_unplannable(p, budget, cfg.solver, min(as_is, smallest_budget(floor_peak, fixed, margin)))

@@ -45,7 +45,7 @@ def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple
         return with_regions(problem, solve(problem, None, "none"), (), budget), [note]
     fixed = problem.fixed_bytes
     inner = inner_budget(budget, fixed, margin)
-    floor_peak, floor_regions, floor_offloaded = floor_of(p, solver, options, keep)
+    floor_peak, floor_regions, floor_offloaded = floor_of(p, solver, options, keep, inner)
     refuse(p, budget, request)
     stats = {"planned_for_bytes": inner}
     if floor_peak > inner or (keep and given_peak <= budget):
