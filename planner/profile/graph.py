@@ -69,6 +69,9 @@ class StorageCost:
     output: int = -1
     """Which of the producer's output tensors holds it (position among its strided outputs); -1: made
     and saved inside the op (a dropout mask), no output of the graph's to find it by."""
+    written: bool = False
+    """A later node of the forward writes into it in place (an `inplace=True` ReLU after a BatchNorm): a
+    copy made when its producer ran would hold a stale value, so it is never offloaded."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class CostGraph:
         )
         storages = tuple(
             Storage(producer=s.producer, nbytes=s.nbytes, last_use=s.last_use, saved_by=s.saved_by, is_output=s.is_output,
-                    copyable=s.output >= 0)
+                    copyable=s.output >= 0 and not s.written)
             for s in self.storages
         )
         offload = {"d2h_bytes_per_s": float(d2h_bytes_per_s), "h2d_bytes_per_s": float(h2d_bytes_per_s),

@@ -279,6 +279,7 @@ def _build(
             # as a view, so its gradient is its base's, made by the view's consumers' backward.
             grad_of[n.name] = grad_of.get(base.name, index[base.name])
         out_bytes, grad_bytes = table.add_outputs(i, value, viewed=base is not None)
+        table.written(i, [t for a in mutated_inputs(gm, n) for t in strided_tensors(env.get(a))])
         table.add_saved(i, packed)
         table.read(reads, i)
         temp = max(0, peak_extra - kept_extra, alloc_temp.get(n.name, 0))
@@ -410,6 +411,14 @@ class _StorageTable:
                 self._new(key, i, tensor_block_bytes(t))
             self.storages[self.owner[key]]["saved_by"].add(i)
 
+    def written(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Node `i` writes these tensors in place: the activation storages among them made earlier are
+        flagged (no copy of them made before this write holds their value)."""
+        for t in tensors:
+            s = self.owner.get(storage_key(t))
+            if s is not None and self.storages[s]["producer"] < i:
+                self.storages[s]["written"] = True
+
     def read(self, reads: list[int], i: int) -> None:
         for s in reads:
             self.storages[s]["last_use"] = max(self.storages[s]["last_use"], i)
@@ -470,6 +479,7 @@ def _cost_graph(
             saved_by=tuple(sorted(d["saved_by"])),
             is_output=d["is_output"],
             output=d.get("output", -1),
+            written=d.get("written", False),
         )
         for d in storages
     )
