@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from ..capture.mutation import COMPUTE_OPS, compute_nodes, view_root, written_roots
@@ -98,9 +99,17 @@ class CheckpointRegion(torch.nn.Module):
             # The compiled backward recomputes without re-applying buffer mutations,
             # and dynamo accepts no custom context_fn (it fails at compile time).
             return checkpoint(self._traced_run, *args, use_reentrant=False, preserve_rng_state=self.random)
+        # checkpoint saves each tensor argument through the saved-tensor hooks in force (a parent region's,
+        # which drop it until the parent's recompute), but holds any other argument as it is: a tuple of
+        # tensors (a multi-output node's value) would keep all of them alive from the forward on.
+        flat, spec = pytree.tree_flatten(args)
         return checkpoint(
-            self._run, *args, use_reentrant=False, preserve_rng_state=self.random, context_fn=self._contexts
+            self._run_flat, spec, *flat, use_reentrant=False, preserve_rng_state=self.random,
+            context_fn=self._contexts,
         )
+
+    def _run_flat(self, spec, *flat):
+        return self._run(*pytree.tree_unflatten(list(flat), spec))
 
     def __deepcopy__(self, memo):
         new = CheckpointRegion(
