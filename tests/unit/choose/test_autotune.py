@@ -333,7 +333,7 @@ def test_the_default_race_is_held_to_the_planning_time_and_says_so(store_dir, mo
     budget = int(planner.problem.fixed_bytes + 0.45 * (base - planner.problem.fixed_bytes))
     plan = planner.plan(budget_bytes=budget)
     assert seen and seen[0][0] == at.AUTOTUNE_STEPS and seen[0][1] >= planner.prepared_s > 0
-    assert seen[0][2] == planner.problem.base_step_s
+    assert seen[0][2] > planner.problem.base_step_s  # counted at a racing plan's step: the plain one's and its recompute
     assert clock.calls == 1 and plan.stats["autotune"]["steps"] + at.CHECK_STEPS <= 12
     assert any(n.startswith("autotune: held to 12 model steps") for n in plan.notes)
     seen.clear()
