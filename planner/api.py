@@ -212,8 +212,8 @@ class Planner(BasePlanner):
         if steps and budget is not None and (solution.regions or offloads) and not keep and p.real:
             if request.autotune is None and self.autotune is None:  # the default race: at most the planning's time
                 planning_s = self.prepared_s + time.perf_counter() - started
-                # a racing plan's step is the plain one's and its recompute: counted at the plain step's time,
-                # the race overran the planning's time by about a tenth on a 24-layer Llama
+                # a racing plan's step is the plain one's and its recompute: the plain step's time alone would
+                # let the race run past the planning's time
                 step_s = p.problem.base_step_s + solution.recompute_time
                 held = race_steps(steps, planning_s, step_s)
                 if held < steps:

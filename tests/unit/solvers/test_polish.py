@@ -50,6 +50,16 @@ def test_polishing_stops_at_the_target_and_never_raises_the_peak(llama):
     assert lower_peak(llama, start, max_work=0) == (start, before)  # no work: the plan as given
 
 
+def test_a_region_may_hold_a_nested_region_at_each_end_and_none_between():
+    from ckpt_planner.solvers.heuristics.polish import _nests
+
+    inside = {plan[-1] for plan in _nests(((0, 9), (0, 3)), 12)}  # a child at the start already
+    assert inside == {(a, 9) for a in range(4, 10)}  # only at the end, clear of the first child
+    both = {plan[-1] for plan in _nests(((0, 9), (0, 3), (7, 9)), 12)}
+    assert both == set()  # a child at each end: no third
+    assert {plan[-1] for plan in _nests(((0, 3),), 12)} == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 3), (3, 3)}
+
+
 def test_a_nested_plan_is_returned_as_given(llama):
     nested = ((63, 110), (63, 94))
     regions, peak = lower_peak(llama, nested)
