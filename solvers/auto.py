@@ -109,10 +109,12 @@ def auto(
         if name == "ilp":
             # No fallback inside the ILP when the plans of other solvers are here already.
             alone = all(other == "ilp" for other in names)
-            # dp's plans are compared here anyway: the ILP need not run dp again.
+            # dp's plans are compared here anyway: the ILP need not run dp again. Where a plan fits
+            # already, no smallest budget is named: the ILP need not search the least peak either.
             options = {
                 "time_limit": ilp_time_limit(problem, time_limit), "gap": ILP_GAP, "fallback": alone,
                 "nested": "dp" not in names, "search_nodes": ilp_search_nodes(problem),
+                "floor": best is None or best[0][0],
             }
         logger.info("auto: running %s (%d/%d) on %d nodes", name, names.index(name) + 1, len(names), problem.n)
         t0 = time.perf_counter()

@@ -203,3 +203,83 @@ def test_a_budget_the_blocks_meet_is_met_when_coarsening_cannot():
     sol = solve(problem, budget, "ilp", max_nodes=2, time_limit=10)
     assert sol.peak_bytes <= budget
     assert simulate(problem, sol.regions, saved=sol.saved).peak_bytes <= budget
+
+
+def _blocks_problem() -> Problem:
+    """Four blocks of three nodes, each node's backward keeping the output before it (as in the test above)."""
+    from ckpt_planner.solvers import Node, Storage
+
+    n = 12
+    nodes, storages = [], []
+    for i in range(n):
+        storages.append(Storage(producer=i, nbytes=100, last_use=min(i + 1, n - 1), saved_by=(min(i + 1, n - 1),)))
+        nodes.append(Node(name=f"n{i}", time=1.0, grad_bytes=10, inputs=(i - 1,) if i else (), reads=(i - 1,) if i else (),
+                          module=f"layers.{i // 3}.op"))
+    return Problem(nodes=tuple(nodes), storages=tuple(storages))
+
+
+def _counting_milp(monkeypatch) -> list[int | None]:
+    """Records the budget of every MILP `ilp` solves (None: the least-peak MILP)."""
+    from ckpt_planner.solvers.exact import ilp as ilp_module
+
+    budgets: list[int | None] = []
+    real = ilp_module._solve_milp
+
+    def counted(problem_, budget, *args, **kwargs):
+        budgets.append(budget)
+        return real(problem_, budget, *args, **kwargs)
+
+    monkeypatch.setattr(ilp_module, "_solve_milp", counted)
+    return budgets
+
+
+def test_a_target_the_coarse_graph_cannot_reach_is_refused_without_the_least_peak_milp(monkeypatch):
+    """No heuristic's plan fits the coarse graph, so the least-peak MILP would be solved for a warm start;
+    the target's own MILP proves it out of reach first, and the blocks' plan is returned as before."""
+    from ckpt_planner.solvers.heuristics.selective import block_regions
+
+    problem = _blocks_problem()
+    blocks = block_regions(problem)
+    budget = simulate(problem, blocks).peak_bytes
+    budgets = _counting_milp(monkeypatch)
+    sol = solve(problem, budget, "ilp", max_nodes=2, time_limit=10)
+    assert sol.peak_bytes <= budget
+    assert budgets and None not in budgets, budgets
+
+
+@pytest.mark.parametrize("floor", [True, False])
+def test_the_least_peak_is_searched_only_where_a_smallest_budget_is_named(monkeypatch, floor):
+    """Below every plan's reach, `ilp` searches the least peak to name the smallest budget; with
+    `floor=False` (a caller that holds a plan that fits, as `auto` may) it does not."""
+    from ckpt_planner.solvers.exact.ilp import ilp
+
+    problem = _blocks_problem()
+    budget = 1  # below every plan's peak
+    budgets = _counting_milp(monkeypatch)
+    result = ilp(problem, budget, max_nodes=2, time_limit=10, floor=floor, fallback=False)
+    assert (None in budgets) is floor, budgets
+    assert simulate(problem, result.regions).peak_bytes > budget
+
+
+def test_auto_leaves_out_the_ilps_least_peak_search_once_a_plan_fits(monkeypatch):
+    from ckpt_planner.solvers.auto import auto
+    from ckpt_planner.solvers.exact import ilp as ilp_module
+
+    from .test_solvers_dp import decoder
+
+    problem = decoder(4)
+    floors: list[bool] = []
+    real = ilp_module.ilp
+
+    def spy(*args, floor=True, **kwargs):
+        floors.append(floor)
+        return real(*args, floor=floor, **kwargs)
+
+    from ckpt_planner.solvers import registry
+
+    monkeypatch.setitem(registry.SOLVERS, "ilp", spy)
+    fits = auto(problem, simulate(problem, ()).peak_bytes - 1)
+    assert floors == [False] and fits.stats["tried"]["dp"]["fits"]
+    floors.clear()
+    low = auto(problem, 0)
+    assert floors == [True] and not any(t["fits"] for t in low.stats["tried"].values())
