@@ -59,7 +59,9 @@ class TokenGroup:
     """The axis of each member's output (members that have one)."""
     param_bytes: int = 0
     """Bytes of the trainable parameters the members read: each chunk's backward makes a gradient of that
-    size before it is added to the others (an embedding table's twice: its backward starts from zeros)."""
+    size before it is added to the others (an embedding table's twice: its backward starts from zeros), but
+    for the linears' weights outside autocast, which the chunks add into one buffer in place
+    (lower/chunk.py)."""
 
 
 def hint(x: Any) -> int:

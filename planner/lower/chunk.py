@@ -8,7 +8,11 @@ cross-entropy with mean (or sum) reduction is computed per chunk as a sum over i
 the number of tokens whose target is not `ignore_index`, as the model's loss is.
 
 The weight gradients are then sums over chunks: equal to the model's up to the order of summation,
-which is why chunking is only planned with `optimize(..., exact=False)`.
+which is why chunking is only planned with `optimize(..., exact=False)`. Each chunk's backward would make
+a whole gradient of every weight its linears read and add it to the others', so the step would hold two
+of them at once (a Llama's LM head: two vocabulary x width matrices, 2 GB at Llama-3-8B's in float32).
+The chunks' linears therefore add their weight gradient into one buffer in place (`_LinearInto`), which
+becomes the weight's gradient once every chunk is done (`_GradFrom`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..capture.tokenwise import TokenGroup, axis_lengths, find_tokenwise, hint
@@ -53,7 +58,7 @@ class ChunkedCall(torch.nn.Module):
     """Runs `fn` on k chunks of its first inputs (split along their axes), each chunk checkpointed."""
 
     def __init__(self, fn: fx.GraphModule, axes: list[tuple[int, int]], outputs: list[tuple[str, Any]],
-                 chunks: int, loss_targets: dict[int, int] | None = None) -> None:
+                 chunks: int, loss_targets: dict[int, int] | None = None, weights: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.fn = fn
         self.axes = list(axes)
@@ -63,9 +68,19 @@ class ChunkedCall(torch.nn.Module):
         self.chunks = int(chunks)
         self.loss_targets = dict(loss_targets or {})
         """Output index of a loss -> index of its target among the chunked inputs."""
+        self.weights = tuple(weights)
+        """Indices (among the whole inputs) of the weights the chunks' linears read, in the order of `fn`'s
+        last placeholders (a holder of each one's gradient buffer, or None)."""
+        self.in_place = True
+        """Accumulate those weights' gradients in place (`_LinearInto`); False: autograd sums the chunks'."""
 
     def forward(self, *inputs: Any) -> tuple[Any, ...]:
         split, rest = inputs[: len(self.axes)], inputs[len(self.axes):]
+        # one buffer per weight whose gradient is accumulated in place; passed to the chunks as they are,
+        # so a chunk's recompute takes the same path (and saves the same tensors) as its forward
+        holders = {i: {} for i in self.weights if self.in_place and _accumulates(rest[i])}
+        rest = tuple(_GradFrom.apply(x, holders[i]) if i in holders else x for i, x in enumerate(rest))
+        rest = rest + tuple(holders.get(i) for i in self.weights)
         d0, m0 = self.axes[0]
         n = split[0].shape[d0] // m0  # the axis length N
         k = max(1, min(self.chunks, int(n)))
@@ -90,6 +105,68 @@ class ChunkedCall(torch.nn.Module):
                 total = total / (target != ignore).sum()
             out.append(total)
         return tuple(out)
+
+
+def _accumulates(w: Any) -> bool:
+    """Whether a weight's gradient is accumulated in place: a float tensor that needs one, outside autocast
+    (whose casts `_LinearInto` would have to make and keep as F.linear does)."""
+    return (isinstance(w, torch.Tensor) and w.requires_grad and torch.is_grad_enabled() and w.dim() == 2
+            and w.dtype.is_floating_point and not torch.is_autocast_enabled(w.device.type))
+
+
+class _GradFrom(torch.autograd.Function):
+    """The weight as the chunks see it (a view): its gradient is the buffer the chunks' `_LinearInto`
+    filled, plus whatever reached it the usual way (another op of the chunks that reads the weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, holder: dict) -> torch.Tensor:
+        ctx.holder = holder
+        ctx.set_materialize_grads(False)  # no zero gradient of the weight's size where none reached it
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        # popped: the buffer's only reference is then the one handed to autograd, which makes it the
+        # weight's .grad without a copy
+        buf = ctx.holder.pop("grad", None)
+        if buf is None:
+            return grad, None
+        return (buf if grad is None else buf.add_(grad)), None
+
+
+class _LinearInto(torch.autograd.Function):
+    """F.linear whose weight gradient is added in place into its holder's buffer (the first chunk's
+    backward makes the buffer), so the chunks' backward holds one weight gradient, not two."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, holder: dict) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.holder = holder
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, w, bias)
+
+    @staticmethod
+    @once_differentiable  # a double backward through the in-place sum would be wrong: it raises instead
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        buf = ctx.holder.get("grad")
+        if buf is None:
+            ctx.holder["grad"] = g2.t().mm(x2)
+        else:
+            buf.addmm_(g2.t(), x2)
+        grad_x = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_b, None
+
+
+def linear_into(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, holder: dict | None) -> torch.Tensor:
+    """A chunk's linear: `_LinearInto` where its weight's gradient is accumulated in place (a holder is
+    given: the weight came through `_GradFrom`), else F.linear."""
+    if holder is not None and torch.is_grad_enabled():
+        return _LinearInto.apply(x, w, bias, holder)
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def choose_chunks(group: TokenGroup) -> int:
@@ -151,6 +228,11 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
         env[a] = sub.placeholder(a.name)
         env[a].meta = dict(a.meta)
     member_axes = dict(g.axes)
+    whole = [by_name[x] for x in g.whole_inputs]
+    # the whole inputs that the members' linears read as their weight, and a placeholder for each one's
+    # gradient buffer (after the inputs: ChunkedCall passes them last)
+    weights = sorted({whole.index(n.args[1]) for n in members if _linear_on(n, whole)})
+    holder = {i: sub.placeholder(f"grad_into_{i}") for i in weights}
     outputs = {o[0]: o for o in g.outputs}
     loss_targets: dict[int, int] = {}
     for n in members:
@@ -164,6 +246,10 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
             continue
         if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             env[n] = sub.call_function(aten.reshape.default, (env[n.args[0]], _chunk_shape(n, member_axes[n.name][0], env)))
+        elif _linear_on(n, whole):
+            args = tuple(env[a] if isinstance(a, fx.Node) else a for a in n.args)
+            args = args + (None,) * (3 - len(args))
+            env[n] = sub.call_function(linear_into, (*args, holder[whole.index(n.args[1])]))
         else:
             env[n] = sub.node_copy(n, lambda a: env[a])
         env[n].meta = dict(n.meta)
@@ -172,7 +258,7 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
     if any(v < 0 for v in loss_targets.values()):
         raise ValueError(f"chunked region {name}: a loss target is not a chunked input")
     mod = ChunkedCall(fn, [ax for _, ax in g.chunked_inputs], [(o[1], o[2]) for o in g.outputs], chunks,
-                      loss_targets)
+                      loss_targets, tuple(weights))
     gm.add_submodule(name, mod)
     last = members[-1]
     with graph.inserting_after(last):
@@ -190,6 +276,11 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
         prev = get
     for n in reversed(members):
         graph.erase_node(n)
+
+
+def _linear_on(n: fx.Node, whole: list[fx.Node]) -> bool:
+    """A linear whose weight is one of the group's whole inputs (a parameter, as captured)."""
+    return n.target is aten.linear.default and not n.kwargs and len(n.args) >= 2 and any(n.args[1] is w for w in whole)
 
 
 def _chunk_shape(n: fx.Node, ax: int, env: dict[fx.Node, fx.Node]) -> list[Any]:
