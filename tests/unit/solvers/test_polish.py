@@ -78,3 +78,35 @@ def test_auto_takes_the_polished_plan_where_nothing_else_fits(llama):
     with pytest.raises(InfeasibleBudgetError) as refused:
         solve(llama, 24_000_000, "auto", solvers=portfolio)
     assert refused.value.smallest_bytes <= 25_600_000  # the smallest budget named is the polished peak
+
+
+INPLACE = Path(__file__).resolve().parents[2] / "fixtures" / "llama_chunked_2048_inplace_problem.json"
+"""The same Llama at 2,048 tokens with the chunked linears' weight gradients added in place (lower/chunk.py),
+profiled with two torch threads: its peak sits in layer 3's attention backward, not at the head's."""
+
+
+def test_one_region_around_a_run_of_regions_lowers_the_peak_where_nesting_alone_stops():
+    from ckpt_planner.solvers.heuristics import polish
+
+    problem = Problem.from_dict(json.loads(INPLACE.read_text()))
+    start = ((1, 94), (95, 110), (111, 111))  # uniform's plan of least peak
+    regions, peak = lower_peak(problem, start)
+    assert peak == simulate(problem, regions).peak_bytes and normalize_regions(problem, regions) == regions
+    # without the move: 25.06 MB (layers 0-1 and layer 2 apart); with it 24.42 MB (measured: 24.42 MB)
+    original = polish._encloses
+    try:
+        polish._encloses = lambda regions_, n: iter(())
+        _, without = lower_peak(problem, start)
+    finally:
+        polish._encloses = original
+    assert peak <= without - 500_000
+
+
+def test_the_regions_around_runs_of_regions_start_at_a_run_and_end_before_the_next():
+    from ckpt_planner.solvers.heuristics.polish import _encloses
+
+    added = [plan[-1] for plan in _encloses(((0, 2), (4, 5), (8, 9)), 12)]
+    # (0..2, 4..5) to any end before 8; (0..2 .. 8..9) and (4..5, 8..9) to any end up to the last node
+    assert sorted(added) == sorted([(0, 5), (0, 6), (0, 7), (0, 9), (0, 10), (0, 11), (4, 9), (4, 10), (4, 11)])
+    nested = [plan[-1] for plan in _encloses(((0, 5), (0, 2), (6, 7)), 9)]  # a region's children are not a run
+    assert sorted(nested) == [(0, 7), (0, 8)]
