@@ -64,9 +64,7 @@ import time
 import warnings
 from typing import Any
 
-from ..costs import grad_bytes_by_step, recompute_time, saver_flags, trim_flat_regions
-from ..heuristics.basic import uniform
-from ..heuristics.greedy import GreedySearch
+from ..costs import grad_bytes_by_step, recompute_time, saver_flags
 from ..problem import Problem
 from ..registry import SolverResult, register
 from ..simulate import simulate
@@ -85,6 +83,7 @@ from .milp_backend import (
 )
 from .offload_terms import NO_OFFLOAD, OffloadTerms
 from .stages import coarsen
+from .warm_starts import flat_start, on_coarse
 
 logger = logging.getLogger(__name__)
 
@@ -384,33 +383,6 @@ def _lowest_peak_plan(coarse: Problem, backend: str, time_limit: float | None, g
     return peak, regions
 
 
-def _on_coarse(groups: list[tuple[int, int]], regions) -> tuple[tuple[int, int], ...] | None:
-    """A fine graph's flat plan on the coarse graph, or None when a region does not begin and end on groups."""
-    first = {g[0]: i for i, g in enumerate(groups)}
-    last = {g[1]: i for i, g in enumerate(groups)}
-    if not all(s in first and e in last for s, e in regions):
-        return None
-    return tuple((first[s], last[e]) for s, e in regions)
-
-
-def _warm_start(coarse: Problem, target: int, known=()) -> tuple[tuple[int, int], ...] | None:
-    """The least-recompute flat plan of greedy, uniform and `known` (coarse plans) that fits `target`
-    on the coarse graph."""
-    best = None
-    greedy_plan = GreedySearch(coarse).solve(target)
-    candidates = list(known)
-    if greedy_plan.stats.get("min_peak_bytes", target + 1) <= target:
-        candidates.append(greedy_plan.regions)
-    candidates.append(uniform(coarse, target).regions)
-    for regions in candidates:
-        regions = trim_flat_regions(coarse, regions)
-        if simulate(coarse, regions).peak_bytes <= target:
-            cost = recompute_time(coarse, regions)
-            if best is None or cost < best[0]:
-                best = (cost, regions)
-    return None if best is None else best[1]
-
-
 def _checked_solve(
     problem: Problem, budget: int, backend: str, time_limit: float | None, gap: float, start, exact: bool,
     search_nodes: int | None = None,
@@ -545,7 +517,7 @@ def _ilp(
     def lift(regions):
         return tuple((groups[s][0], groups[e][1]) for s, e in regions)
 
-    known_coarse = [c for c in (_on_coarse(groups, r) for r in known) if c is not None]
+    known_coarse = [c for c in (on_coarse(groups, r) for r in known) if c is not None]
 
     base = simulate(problem, ())
     if budget_bytes is None or base.peak_bytes <= budget_bytes:
@@ -564,7 +536,7 @@ def _ilp(
         )
         start, regions, info = None, None, None
         if warm_start:
-            start = _warm_start(coarse, target, known_coarse)
+            start = flat_start(coarse, target, known_coarse)
             if start is None and lowest is None:
                 # No heuristic fits. The target alone first: its MILP proves a target out of the coarse
                 # graph's reach at the root (0.3 s on a 24-layer Llama at per-layer checkpointing's peak),
