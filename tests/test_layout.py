@@ -189,7 +189,7 @@ def test_no_upward_imports_in_solvers():
     g = _graph(_solver_modules())
     upward = [(a, b) for a, b in g.edges if _solver_layer(b) > _solver_layer(a)]
     assert not upward, f"imports from a higher layer of solvers/: {upward}"
-    assert g.has_edge(f"{SOLVERS_PACKAGE}.exact.ilp", f"{SOLVERS_PACKAGE}.heuristics.greedy")
+    assert g.has_edge(f"{SOLVERS_PACKAGE}.exact.warm_starts", f"{SOLVERS_PACKAGE}.heuristics.greedy")
 
 
 # ---------------------------------------------------------------------------
