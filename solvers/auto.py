@@ -7,8 +7,9 @@ after its root node. Large: no ilp. dp and
 ilp also try saved ops inside their regions. Every plan is simulated; the
 least predicted recompute time (checkpoint-call and policy costs included,
 so the least predicted step time) among those within the budget wins (ties:
-the lower peak). When none fits, the plan of least peak is polished (`heuristics/polish.py`: its
-regions moved, split, merged or dropped while the peak falls); the polished plan is taken where it
+the lower peak). When none fits, the plans are polished, least peak first (`heuristics/polish.py`: their
+regions moved, split, merged, dropped, nested or wrapped while the peak falls; a local search, so each plan is
+a start of its own); the lowest polished plan is taken where it
 fits, else its peak is the smallest budget reported.
 When every MILP backend fails, the plans of the other solvers stand and
 `stats["ilp_fallback"]` says why the MILP is missing.
@@ -31,7 +32,7 @@ from .exact.dp import DPSearch
 from .exact.ilp import MAX_NODES
 from .exact.ilp_offload import ilp_offload
 from .exact.milp_backend import ILPSolveError
-from .heuristics.polish import lower_peak
+from .heuristics.polish import lowest_polished
 from .offload import choose_offloads, most_offloaded
 from .problem import Problem
 from .registry import SolverResult, get_solver, register
@@ -103,6 +104,7 @@ def auto(
     best = None  # (fits, time, peak, name, result)
     low = None
     lowest = None  # (peak, name, result) of the plan of least peak
+    starts: list[tuple[int, str, tuple]] = []  # (peak, name, regions) of each plan without offloads
     failed: dict[str, str] = {}
     for name in names:
         options: dict[str, Any] = {}
@@ -140,14 +142,17 @@ def auto(
             best = (key, name, result)
         if lowest is None or sim.peak_bytes < lowest[0]:
             lowest = (sim.peak_bytes, name, result)
+        if not result.offloaded and not result.saved:
+            starts.append((sim.peak_bytes, name, tuple(map(tuple, result.regions))))
         if fits and sim.recompute_time == 0:
             break  # nothing beats no recompute
     if best is None:
         raise ILPSolveError("; ".join(failed.values()))  # the portfolio was the MILP alone
-    if best[0][0] and not lowest[2].offloaded:  # nothing fits: the plan of least peak, polished
-        regions, peak = lower_peak(problem, lowest[2].regions, target=budget_bytes)
+    if best[0][0] and not lowest[2].offloaded:  # nothing fits: the plans of least peak, polished
+        named = {tuple(map(tuple, lowest[2].regions)): lowest[1]} | {r: n for _, n, r in sorted(starts, reverse=True)}
+        regions, peak, start = lowest_polished(problem, list(named), target=budget_bytes)
         if peak < lowest[0]:
-            name = f"{lowest[1]}, polished"
+            name = f"{named[start]}, polished"
             sim = simulate(problem, regions)
             fits = peak <= budget_bytes
             tried[name] = {"recompute_time": sim.recompute_time, "peak_bytes": peak, "fits": fits}

@@ -29,7 +29,7 @@ from ..capture.preflight import nothing_to_plan
 from ..capture.trace import autocast_blocks
 from ..profile.memory import allocator_limit, device_room
 from ..settings import PlanRequest
-from ..solvers.heuristics.polish import lower_peak
+from ..solvers.heuristics.polish import lowest_polished
 from ..solvers.offload import most_offloaded
 from ..solvers.problem import Problem, Solution
 from ..solvers.registry import SOLVERS, InfeasibleBudgetError, get_solver
@@ -37,7 +37,7 @@ from ..solvers.simulate import simulate
 from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
-__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "peak_detail", "floor_of", "refuse",
+__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "floor_plans", "peak_detail", "floor_of", "refuse",
            "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
 
 Regions = tuple[tuple[int, int], ...]
@@ -88,10 +88,21 @@ def floor_plan(
     the peak is simulated on the real problem (bytes do not depend on the times). Where the problem can
     offload, each candidate also counts with as much offloaded as the host holds (`most_offloaded`).
     """
+    return floor_plans(problem, solver, options, finish, extra)[0]
+
+
+def floor_plans(
+    problem: Problem,
+    solver: str,
+    options: dict[str, Any],
+    finish: Callable[[Sequence[tuple[int, int]]], tuple[Regions, list[str]]],
+    extra: Sequence[Regions] = (),
+) -> list[tuple[int, Regions, tuple[int, ...]]]:
+    """Every candidate of `floor_plan`, least peak first (then fewer regions, fewer offloads)."""
     det = deterministic_problem(problem)
     names = _FLOOR_PORTFOLIO if solver == "auto" else (solver,)
     opts = {k: v for k, v in options.items() if k not in ("time_limit", "solvers")} if solver == "auto" else options
-    best: tuple[int, Regions, tuple[int, ...]] | None = None
+    scored: list[tuple[int, Regions, tuple[int, ...]]] = []
     candidates: list[Regions] = [tuple(r) for r in extra]
     for name in names:
         fn = get_solver(name)
@@ -103,11 +114,9 @@ def floor_plan(
         if problem.can_offload:
             offloads.append(most_offloaded(problem, Solution(regions=finished, solver="floor", peak_bytes=0, recompute_time=0.0)))
         for offloaded in offloads:
-            peak = simulate(problem, finished, offloaded=offloaded).peak_bytes
-            if best is None or (peak, len(finished), len(offloaded)) < (best[0], len(best[1]), len(best[2])):
-                best = (peak, finished, tuple(offloaded))
-    assert best is not None
-    return best
+            scored.append((simulate(problem, finished, offloaded=offloaded).peak_bytes, finished, tuple(offloaded)))
+    scored.sort(key=lambda c: (c[0], len(c[1]), len(c[2])))
+    return scored
 
 
 def peak_detail(problem: Problem, regions: Regions, names: Sequence[str]) -> str:
@@ -145,12 +154,15 @@ def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool,
     if key not in p.floors:
         # The model's own regions are a plan too: replacing them never needs more memory than keeping them.
         extra = [p.own_regions] if p.own_regions else []
-        p.floors[key] = floor_plan(p.problem, solver, options, finish, extra)
+        p.floors[(*key, "all")] = floor_plans(p.problem, solver, options, finish, extra)
+        p.floors[key] = p.floors[(*key, "all")][0]
     floor = p.floors[key]
     if solver != "auto" or target is None or floor[0] <= target or floor[2]:
         return floor
     if (*key, "polished") not in p.floors:
-        polished, _ = finish(lower_peak(p.problem, floor[1])[0])
+        # every candidate without offloads is a start: the polish is a local search
+        starts = [c[1] for c in p.floors[(*key, "all")] if not c[2]]
+        polished, _ = finish(lowest_polished(p.problem, starts)[0])
         peak = simulate(p.problem, polished).peak_bytes
         p.floors[(*key, "polished")] = (peak, polished, ()) if peak < floor[0] else floor
     return p.floors[(*key, "polished")]

@@ -9,6 +9,7 @@ that feasibility is judged on (choose/budget.py), so it is cleared with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,7 +68,9 @@ class Profiled:
     """Why offload was not considered, where it was not (one line)."""
     values: ValueGuard | None = None
     """Python values the graph holds as constants, checked before each training call of plan.module."""
-    floors: dict[tuple, tuple[int, Regions]] = field(default_factory=dict)
+    floors: dict[tuple, Any] = field(default_factory=dict)
+    """The least-memory plans by solver and options (budget.floor_of): the floor, every candidate of it
+    (key + ("all",)) and the floor polished (key + ("polished",))."""
     _reference: tuple[Regions, tuple[str, ...]] | None = None
     _reference_peak: int | None = None
 

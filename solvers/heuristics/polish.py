@@ -27,7 +27,7 @@ from ..plans import normalize_regions
 from ..problem import Problem, ProblemError
 from ..simulate import simulate
 
-__all__ = ["MAX_WORK", "lower_peak"]
+__all__ = ["MAX_WORK", "lower_peak", "lowest_polished"]
 
 MAX_WORK = 1_000_000
 """Nodes simulated at most (simulations x nodes): about 2 s on a 2-core CPU."""
@@ -122,3 +122,23 @@ def lower_peak(problem: Problem, regions: Regions, target: int | None = None,
                 break
             score, cur = step
     return cur, score[0]
+
+
+def lowest_polished(problem: Problem, plans, target: int | None = None,
+                    max_work: int = MAX_WORK) -> tuple[Regions, int, Regions]:
+    """(regions, peak, start) of the lowest of `plans` each polished (`lower_peak`, fewer regions on a tie),
+    in order of their own peak, until one is within `target`. The search is local, so where it ends
+    depends on where it starts: on a stock Llama at 2,048 tokens (one torch thread) greedy's plan and
+    uniform's had the same peak, 26.68 MB, and polished to 26.08 MB and 24.06 MB."""
+    starts = sorted({tuple(map(tuple, r)) for r in plans}, key=lambda r: (simulate(problem, r).peak_bytes, len(r)))
+    best: tuple[int, int, Regions, Regions] | None = None
+    for start in starts:
+        regions, peak = lower_peak(problem, start, target=target, max_work=max_work)
+        if best is None or (peak, len(regions)) < best[:2]:
+            best = (peak, len(regions), regions, start)
+        if target is not None and best[0] <= target:
+            break
+    if best is None:
+        raise ValueError("lowest_polished: no plan given")
+    return best[2], best[0], best[3]
+
