@@ -19,10 +19,11 @@ from __future__ import annotations
 import re
 
 from ..costs import recompute_time, trim_flat_regions
+from ..kept_search import KeptSearch
 from ..plans import region_parents
 from ..problem import Problem
 from ..registry import SolverResult, register
-from ..simulate import KeptSearch, simulate
+from ..simulate import simulate
 
 __all__ = ["selective", "block_regions", "heavy_nodes", "refine_saved", "best_selective", "with_saved"]
 

@@ -1,4 +1,4 @@
-"""Searches over kept ops priced on one layout (`simulate.KeptSearch`), and the solvers that use them.
+"""Searches over kept ops priced on one layout (`kept_search.KeptSearch`), and the solvers that use them.
 
 * Every peak and every recompute time a search reads equals `simulate`'s for the same plan, to the byte and
   to the last bit, on random graphs with call costs, random generator states and kept-op candidates; walks
@@ -27,7 +27,8 @@ from ckpt_planner.solvers.heuristics.selective import (
     selective,
 )
 from ckpt_planner.solvers.heuristics.structured import structured, structured_plans
-from ckpt_planner.solvers.simulate import KeptSearch, region_parents
+from ckpt_planner.solvers.kept_search import KeptSearch
+from ckpt_planner.solvers.simulate import region_parents
 
 from .test_solvers_problems import random_chain, random_dag
 from .test_solvers_simulate import nested_plan, with_costs
@@ -85,7 +86,7 @@ def test_searches_equal_a_simulation_per_set(seed):
 
 def test_walks_span_several_tables(monkeypatch):
     # the module, not the function the package exports under its name
-    monkeypatch.setattr(importlib.import_module("ckpt_planner.solvers.simulate"), "WALK_CELLS", 1)  # a step per table
+    monkeypatch.setattr(importlib.import_module("ckpt_planner.solvers.kept_search"), "WALK_CELLS", 1)  # a step per table
     rng = random.Random(11)
     assert sum(check_search(rng, random_problem(rng, 24)) for _ in range(10))
 
