@@ -149,7 +149,8 @@ def auto(
     if best is None:
         raise ILPSolveError("; ".join(failed.values()))  # the portfolio was the MILP alone
     if best[0][0] and not lowest[2].offloaded:  # nothing fits: the plans of least peak, polished
-        named = {tuple(map(tuple, lowest[2].regions)): lowest[1]} | {r: n for _, n, r in sorted(starts, reverse=True)}
+        named = {r: n for _, n, r in sorted(starts, reverse=True)}  # a plan two solvers found: the lower's name
+        named.setdefault(tuple(map(tuple, lowest[2].regions)), lowest[1])
         regions, peak, start = lowest_polished(problem, list(named), target=budget_bytes)
         if peak < lowest[0]:
             name = f"{named[start]}, polished"

@@ -37,7 +37,7 @@ from ..solvers.simulate import simulate
 from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
-__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plan", "floor_plans", "peak_detail", "floor_of", "refuse",
+__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plans", "peak_detail", "floor_of", "refuse",
            "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
 
 Regions = tuple[tuple[int, int], ...]
@@ -72,25 +72,6 @@ def deterministic_problem(problem: Problem) -> Problem:
     return dataclasses.replace(problem, nodes=nodes)
 
 
-def floor_plan(
-    problem: Problem,
-    solver: str,
-    options: dict[str, Any],
-    finish: Callable[[Sequence[tuple[int, int]]], tuple[Regions, list[str]]],
-    extra: Sequence[Regions] = (),
-) -> tuple[int, Regions, tuple[int, ...]]:
-    """(peak bytes, regions, offloaded storages) of the least-memory plan `solver` finds on deterministic
-    costs, finished.
-
-    `extra`: plans that are candidates too (the model's own checkpoint regions).
-
-    `finish` applies what happens to every plan after solving (in-place safety, own checkpointing);
-    the peak is simulated on the real problem (bytes do not depend on the times). Where the problem can
-    offload, each candidate also counts with as much offloaded as the host holds (`most_offloaded`).
-    """
-    return floor_plans(problem, solver, options, finish, extra)[0]
-
-
 def floor_plans(
     problem: Problem,
     solver: str,
@@ -98,7 +79,15 @@ def floor_plans(
     finish: Callable[[Sequence[tuple[int, int]]], tuple[Regions, list[str]]],
     extra: Sequence[Regions] = (),
 ) -> list[tuple[int, Regions, tuple[int, ...]]]:
-    """Every candidate of `floor_plan`, least peak first (then fewer regions, fewer offloads)."""
+    """(peak bytes, regions, offloaded storages) of every plan `solver` finds on deterministic costs,
+    finished, least peak first (then fewer regions, fewer offloads): the first is the floor.
+
+    `extra`: plans that are candidates too (the model's own checkpoint regions).
+
+    `finish` applies what happens to every plan after solving (in-place safety, own checkpointing);
+    the peak is simulated on the real problem (bytes do not depend on the times). Where the problem can
+    offload, each candidate also counts with as much offloaded as the host holds (`most_offloaded`).
+    """
     det = deterministic_problem(problem)
     names = _FLOOR_PORTFOLIO if solver == "auto" else (solver,)
     opts = {k: v for k, v in options.items() if k not in ("time_limit", "solvers")} if solver == "auto" else options

@@ -534,7 +534,7 @@ def _ilp(
             "ilp: MILP attempt %d on %d nodes, target %.1f MB, %s s left",
             attempt + 1, coarse.n, target / 1e6, "no limit" if left() is None else f"{left():.1f}",
         )
-        start, regions, info = None, None, None
+        start = regions = None
         if warm_start:
             start = flat_start(coarse, target, known_coarse)
             if start is None and lowest is None:
@@ -545,12 +545,12 @@ def _ilp(
                 if regions is None and info.get("status") == "Infeasible":
                     stats.update(info)
                     break
-            if regions is None and start is None and lowest is None:
-                # Still no plan: the least-peak plan is the start. With it (and the one remembered
-                # from earlier calls), a budget the solver named as its smallest is met again on the
-                # next call, however far a time-limited MILP gets.
-                lowest = _lowest_peak_plan(coarse, backend, left(), gap, search_nodes)
-            if regions is None and start is None and lowest[1] is not None and lowest[0] <= target:
+                if regions is None:
+                    # Still no plan: the least-peak plan is the start. With it (and the one remembered
+                    # from earlier calls), a budget the solver named as its smallest is met again on the
+                    # next call, however far a time-limited MILP gets.
+                    lowest = _lowest_peak_plan(coarse, backend, left(), gap, search_nodes)
+            if regions is None and start is None and lowest is not None and lowest[1] is not None and lowest[0] <= target:
                 start = lowest[1]
         if regions is None:
             regions, info = _checked_solve(coarse, target, backend, left(), gap, start, exact, search_nodes)

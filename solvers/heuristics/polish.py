@@ -55,17 +55,22 @@ def _moves(regions: Regions, n: int) -> Iterator[Regions]:
         yield (*before, *after)
 
 
+def _inside(r: tuple[int, int], o: tuple[int, int]) -> bool:
+    return o != r and o[0] <= r[0] and r[1] <= o[1]
+
+
+def _tops(regions: Regions) -> list[tuple[int, int]]:
+    """The regions no other region holds, in order."""
+    return sorted(r for r in regions if not any(_inside(r, o) for o in regions))
+
+
 def _nests(regions: Regions, n: int) -> Iterator[Regions]:
     """Every plan with one region more, nested in a top-level region of `regions` at its start or its end,
     clear of the children it holds already (so a region holds at most one at each end): within the outer
     region's recompute, the inner one's part runs again in the backward of its own, so the outer recompute
     no longer holds what the inner part made."""
-    def inside(r, o):
-        return o != r and o[0] <= r[0] and r[1] <= o[1]
-
-    tops = [r for r in regions if not any(inside(r, o) for o in regions)]
-    for s, e in tops:
-        kids = [c for c in regions if inside(c, (s, e))]
+    for s, e in _tops(regions):
+        kids = [c for c in regions if _inside(c, (s, e))]
         first = min((c[0] for c in kids), default=e + 1)  # a child at the start ends before the first one
         last = max((c[1] for c in kids), default=s - 1)  # a child at the end starts after the last one
         for inner in [*((s, b) for b in range(s, min(e, first))), *((a, e) for a in range(max(s + 1, last + 1), e + 1))]:
@@ -78,10 +83,7 @@ def _encloses(regions: Regions, n: int) -> Iterator[Regions]:
     `regions`: from the first one's start to the last one's end, or to any node before the next top-level
     region. What the run keeps between its regions (their outputs, the inputs of the next) is then made
     again in the new region's recompute instead of held from the forward on."""
-    def inside(r, o):
-        return o != r and o[0] <= r[0] and r[1] <= o[1]
-
-    tops = sorted(r for r in regions if not any(inside(r, o) for o in regions))
+    tops = _tops(regions)
     for i in range(len(tops)):
         for j in range(i + 1, len(tops)):
             hi = tops[j + 1][0] - 1 if j + 1 < len(tops) else n - 1
