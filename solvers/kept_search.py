@@ -48,7 +48,7 @@ class KeptSearch:
         return np.cumsum(layout.delta_with(kept)[: layout.T]) + layout.temps
 
     def _peak_of(self, live: np.ndarray) -> int:
-        fixed = self.problem.fixed_bytes
+        fixed = self._layout.fixed
         return max(int(live.max()) + fixed, fixed)
 
     def peak(self, saved=()) -> int:
@@ -101,7 +101,7 @@ class KeptSearch:
         peaks = [self._peak_of(live)]
         if until is not None and peaks[0] <= until:
             return peaks
-        fixed = self.problem.fixed_bytes
+        fixed = self._layout.fixed
         for part in self._chunks(steps):
             # Summed down the rows: the live bytes after each step.
             rows = np.cumsum(self._step_table(part, -1 if dropping else 1), axis=0)
@@ -121,7 +121,7 @@ class KeptSearch:
         self._checked(nodes)
         if self._layout is None:
             return [simulate(self.problem, self.regions, saved=tuple(sorted({*saved, i}))).peak_bytes for i in nodes]
-        live, fixed, peaks = self._live(saved), self.problem.fixed_bytes, []
+        live, fixed, peaks = self._live(saved), self._layout.fixed, []
         for part in self._chunks(nodes):
             rows = self._step_table(part, 1)
             rows += live

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Node", "Storage", "Problem", "Solution", "ProblemError", "ProblemArrays"]
+__all__ = ["Node", "Storage", "Cast", "Problem", "Solution", "ProblemError", "ProblemArrays"]
 
 
 class ProblemError(ValueError):
@@ -89,6 +89,20 @@ class Storage:
 
 
 @dataclass(frozen=True)
+class Cast:
+    """A parameter cast to the autocast dtype that autocast keeps in its cache: made by its first reader,
+    found there by the others. Its bytes are counted in `Problem.param_bytes`; `Problem.casts_cleared`
+    says when it can go before the step ends."""
+
+    nbytes: int
+    """Size in bytes."""
+    readers: tuple[int, ...]
+    """Nodes whose forward uses it, sorted."""
+    savers: tuple[int, ...] = ()
+    """Readers whose backward keeps it (autograd saved it for them), sorted."""
+
+
+@dataclass(frozen=True)
 class Problem:
     """A training step as solvers see it: nodes, storages and the fixed memory."""
 
@@ -119,6 +133,14 @@ class Problem:
     """Measured copy bandwidth from pinned host memory back to the device (bytes per second); 0: no offload."""
     host_budget_bytes: int = 0
     """Pinned host bytes the offloaded tensors may hold at once; 0: none, no solver offloads."""
+    casts: tuple[Cast, ...] = ()
+    """Autocast's cached casts of parameters (their bytes are in `param_bytes`); () outside autocast."""
+    casts_cleared: bool = False
+    """The backward runs on a thread of its own (autograd's device thread on CUDA), where the first
+    recompute leaves autocast as that thread's outermost context and so empties the cache the whole
+    process shares: from there a cast lives only while a saved tensor holds it, and every later recompute
+    makes the casts it uses again. False: the cache holds every cast through the step (the backward on
+    the caller's thread, inside its autocast context), and the solvers' fixed bytes are exact."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +166,11 @@ class Problem:
             value = getattr(self, name)
             if not value >= 0 or (name == "host_budget_bytes" and value == float("inf")):
                 raise ProblemError(f"{name}: {value} is not a non-negative number")
+        for c, cast in enumerate(self.casts):
+            if cast.nbytes < 0 or not cast.readers or not all(0 <= k < n for k in cast.readers + cast.savers):
+                raise ProblemError(f"casts[{c}]: negative bytes, no reader, or a reader or saver that is not a node index")
+        if sum(cast.nbytes for cast in self.casts) > self.param_bytes:
+            raise ProblemError("casts: more bytes than param_bytes, which counts them")
 
     @property
     def n(self) -> int:
@@ -190,6 +217,8 @@ class Problem:
             "d2h_bytes_per_s": self.d2h_bytes_per_s,
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
             "host_budget_bytes": self.host_budget_bytes,
+            "casts": [asdict(cast) for cast in self.casts],
+            "casts_cleared": self.casts_cleared,
             "nodes": [asdict(node) for node in self.nodes],
             "storages": [asdict(st) for st in self.storages],
         }
@@ -216,6 +245,11 @@ class Problem:
             d2h_bytes_per_s=float(data.get("d2h_bytes_per_s", 0.0)),
             h2d_bytes_per_s=float(data.get("h2d_bytes_per_s", 0.0)),
             host_budget_bytes=int(data.get("host_budget_bytes", 0)),
+            casts=tuple(
+                Cast(nbytes=int(d["nbytes"]), readers=tuple(d["readers"]), savers=tuple(d.get("savers", ())))
+                for d in data.get("casts", ())
+            ),
+            casts_cleared=bool(data.get("casts_cleared", False)),
         )
 
     def fingerprint(self) -> str:
@@ -321,6 +355,10 @@ class ProblemArrays:
         self.grad_bytes = grad[self.grad_nodes]
         self.nonnegative = not any((a < 0).any() for a in (self.temp, self.backward_temp, self.rng, param, grad))
         """No size is negative: the condition under which the sweep equals the event-by-event replay."""
+        self.cast_bytes = np.array([cast.nbytes for cast in problem.casts], dtype=i64)
+        for kind in ("readers", "savers"):  # (node, cast) pairs in node order: node k reads or saves cast c
+            pairs = sorted({(k, c) for c, cast in enumerate(problem.casts) for k in getattr(cast, kind)})
+            setattr(self, f"cast_{kind}", np.array(pairs, dtype=i64).reshape(-1, 2))
         self.times = [node.time for node in nodes]  # seconds, kept as Python floats to sum as the replay does
         self.hook_prefix = [0, *itertools.accumulate(node.saved_tensors for node in nodes)]
         """Tensors saved by the nodes before i (exact integers)."""

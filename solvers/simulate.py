@@ -25,6 +25,11 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   memory leaves the device after its last forward reader once its copy is done, comes back at its
   prefetch and is freed at its usual release step; the copy time no compute hides is added to the
   recompute time (`offload_time`).
+* Autocast's cached casts of parameters (`problem.casts`) are fixed memory, unless
+  `problem.casts_cleared`: then the first recompute empties the cache, and a cast stays only
+  while a node of the plain forward or of that recompute that saved it waits for its backward;
+  every later recompute makes each cast it uses again at its first reader there, held until the
+  backward of its last saver in that context, or to the recompute's end if none saves it.
 * Each checkpoint call costs `problem.region_overhead_s` per step, every
   op of a kept node (the only ops that run under a selective policy; one
   more for the policy's mode) costs `problem.op_overhead_s` in the forward
@@ -173,13 +178,15 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
         steps += [regions[r][0] for r in input_of[t] if parents[r] == ctx]
         return min(steps) if steps else None
 
+    casts = problem.casts if problem.casts_cleared else ()
     fixed = {
-        "parameters": problem.param_bytes,
+        "parameters": problem.param_bytes - sum(cast.nbytes for cast in casts),
         "inputs": problem.input_bytes,
         "optimizer": problem.optimizer_bytes,
     }
     live = dict.fromkeys(CATEGORIES, 0)
     live.update(fixed)
+    live["parameters"] = problem.param_bytes  # the casts are made in the forward, held by the cache
     best = {"bytes": -1, "phase": "forward", "node": -1, "breakdown": dict(live)}
     events: list[tuple[str, int, int]] = []
 
@@ -204,14 +211,23 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
         if rng_of[r]:
             rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + rng_of[r]
 
-    def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str) -> None:
-        """Run nodes lo..hi in context ctx; kept storages are queued for their backward release."""
+    def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str, casts_made=None) -> int:
+        """Run nodes lo..hi in context ctx; kept storages are queued for their backward release.
+        `casts_made`: node -> (bytes, release step or None) of the casts it makes again. Returns the
+        bytes of those held only by the cache, freed when the pass ends."""
         free_at: list[list[int]] = [[] for _ in range(hi - lo + 1)]
+        cached = 0
         for j in range(lo, hi + 1):
             state = rng_at.get((j, ctx), 0)
             if state:
                 live[category] += state
                 release_at[j].append((state, category))
+            for nbytes, keep in (casts_made or {}).get(j, ()):
+                live[category] += nbytes
+                if keep is None:
+                    cached += nbytes
+                else:
+                    release_at[keep].append((nbytes, category))
             for t in produced[j]:
                 st = storages[t]
                 if is_saved[j] and ctx >= 0:
@@ -232,6 +248,19 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
             if free_at[j - lo]:
                 live[category] -= sum(free_at[j - lo])
                 observe(phase, j)
+        return cached
+
+    def remade(r: int) -> dict[int, list[tuple[int, int | None]]]:
+        """The casts region r's recompute makes again once the cache is empty: per first reader in the
+        pass, (bytes, backward step of the last of its savers in r's context, None: none saves it)."""
+        s, stop = regions[r][0], stops[r]
+        out: dict[int, list[tuple[int, int | None]]] = {}
+        for cast in casts:
+            readers = [j for j in cast.readers if s <= j <= stop]
+            if readers:
+                held = [j for j in cast.savers if s <= j <= stop and inner[j] == r]
+                out.setdefault(min(readers), []).append((cast.nbytes, min(held) if held else None))
+        return out
 
     # Which regions recompute at which backward step, and how far.
     trigger: dict[int, list[int]] = {}
@@ -274,6 +303,7 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
     recompute_time = hook_time = 0.0
     hook = problem.saved_overhead_s
     grad_live = [False] * n
+    cache_emptied = not casts
     for k in range(n - 1, -1, -1):
         for t in fetch_at.get(k, ()):  # prefetched at the start of the step, before its recomputes
             live["activations"] += storages[t].nbytes
@@ -284,8 +314,16 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
             hook_time += hooks
             recompute_time += hooks + sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
             live["recomputed"] += rng_of[r]
-            forward_pass(s, stops[r], r, "recompute", "recomputed")
-            live["recomputed"] -= rng_of[r]
+            cached = forward_pass(s, stops[r], r, "recompute", "recomputed", remade(r) if cache_emptied and casts else None)
+            live["recomputed"] -= rng_of[r] + cached
+            if not cache_emptied:  # this recompute found the forward's casts cached, then emptied the cache
+                cache_emptied = True
+                for cast in casts:
+                    held = [j for j in cast.savers if j <= k and (inner[j] == -1 or (inner[j] == r and s <= j <= stops[r]))]
+                    if held:
+                        release_at[min(held)].append((cast.nbytes, "parameters"))
+                    else:
+                        live["parameters"] -= cast.nbytes
         node = nodes[k]
         extra = 0
         for j in set(node.inputs):
@@ -365,7 +403,7 @@ class _Layout:
 
     Slots: the forward's nodes 0..n-1, then per backward step k = n-1..0 the nodes of the recomputes it
     triggers (outermost first) and the step itself. Categories: 0 activations, 1 recomputed, 2 act_grads,
-    3 param_grads; temporaries are per slot. Kept nodes change only their own storages' intervals (they
+    3 param_grads, 4 the forward's casts of parameters (when the cache empties); temporaries are per slot. Kept nodes change only their own storages' intervals (they
     stay from the forward, and their region's recompute does not make them again), so the bytes live
     with none kept are summed once per plan."""
 
@@ -455,6 +493,12 @@ class _Layout:
             parts.append((p_base[q] + r_start[child] - p_s[q], np.where(r_start[child] <= p_k[q], bslot[r_start[child]] + 1, T), rng[child], 1))
             forked = np.flatnonzero(rng[passes] > 0)
             parts.append((p_base[forked], p_base[forked] + p_len[forked], rng[passes][forked], 1))
+        self.cleared_casts = 0  # cast bytes taken out of the fixed memory: where they live is in the parts
+        if problem.casts_cleared and len(a.cast_bytes) and len(passes):
+            self.cleared_casts = int(a.cast_bytes.sum())
+            parts.extend(self._cast_parts(a, inner, passes, p_s, p_stop, p_base, p_len))
+        self.fixed = problem.fixed_bytes - self.cleared_casts
+        """Bytes resident through the whole step under this plan: the problem's, less casts the cache lets go."""
         parts.append((bslot[a.grad_consumer], bslot[a.grad_nodes] + 1, a.grad_bytes, 2))
         parts.append((bslot[a.param_grad_nodes], np.full(len(a.param_grad_nodes), T, dtype=i64), a.param_grad_bytes, 3))
 
@@ -468,6 +512,36 @@ class _Layout:
         temps[bslot] = a.backward_temp
         temps[_ranges(p_base, p_len)] = a.temp[_ranges(p_s, p_len)]
         self.live = np.cumsum(self.delta[:T]) + temps  # bytes at each slot with no node kept
+
+    def _cast_parts(self, a, inner, passes, p_s, p_stop, p_base, p_len) -> list[tuple]:
+        """The casts' intervals where the first recompute empties autocast's cache (`replay`): the forward's
+        casts up to that pass's end or their last holder's backward, and each later pass's own."""
+        big = np.iinfo(np.int64).max
+        bslot, m = self.bslot, len(a.cast_bytes)
+        k, c = a.cast_savers[:, 0], a.cast_savers[:, 1]
+        r0 = passes[0]
+        holds = (inner[k] == -1) | ((inner[k] == r0) & (k >= p_s[0]) & (k <= p_stop[0]))
+        holder = np.full(m, big, dtype=np.int64)
+        np.minimum.at(holder, c[holds], k[holds])
+        emptied = p_base[0] + p_len[0]
+        end = np.where(holder < big, np.maximum(emptied, bslot[np.minimum(holder, len(bslot) - 1)] + 1), emptied)
+        parts = [(np.zeros(m, dtype=np.int64), end, a.cast_bytes, 4)]
+        readers, savers = a.cast_readers, a.cast_savers
+        for q in range(1, len(passes)):
+            s, stop, r = p_s[q], p_stop[q], passes[q]
+            lo, hi = np.searchsorted(readers[:, 0], [s, stop + 1])
+            if lo == hi:
+                continue
+            cast, first = np.unique(readers[lo:hi, 1], return_index=True)  # readers come in node order
+            made = readers[lo:hi, 0][first]
+            lo, hi = np.searchsorted(savers[:, 0], [s, stop + 1])
+            own = savers[lo:hi][inner[savers[lo:hi, 0]] == r]
+            holder = np.full(m, big, dtype=np.int64)
+            np.minimum.at(holder, own[:, 1], own[:, 0])
+            held = holder[cast]
+            end = np.where(held < big, bslot[np.minimum(held, len(bslot) - 1)] + 1, p_base[q] + p_len[q])
+            parts.append((p_base[q] + made - s, end, a.cast_bytes[cast], 1))
+        return parts
 
     def kept_terms(self, problem: Problem, nodes: np.ndarray) -> _KeptTerms:
         """What keeping each of `nodes` (kept ops of flat regions, int64) changes in this plan's live bytes.
@@ -531,7 +605,7 @@ class _Layout:
         """The simulator's figures for this region plan of `problem` with `saved` (normalised) kept and the
         offloads of `off` (`offload.OffloadTiming`, None: none)."""
         a = problem.arrays
-        by_cat = np.zeros(4, dtype=np.int64)
+        by_cat = np.zeros(5, dtype=np.int64)
         kept = self.kept_terms(problem, np.array(saved, dtype=np.int64)) if saved else None
         delta = self.delta_with(kept)
         live = self.live if kept is None else np.cumsum(delta[: self.T]) + self.temps
@@ -554,9 +628,9 @@ class _Layout:
         if off is not None:
             by_cat[0] -= int(o_bytes[(o_gone <= at) & (at < o_back)].sum())
         covering = (self.starts <= at) & (self.ends > at)
-        by_cat += [int(self.sizes[covering & (self.cats == c)].sum()) for c in range(4)]
+        by_cat += [int(self.sizes[covering & (self.cats == c)].sum()) for c in range(5)]
         breakdown = {
-            "parameters": problem.param_bytes, "inputs": problem.input_bytes, "optimizer": problem.optimizer_bytes,
+            "parameters": problem.param_bytes - self.cleared_casts + int(by_cat[4]), "inputs": problem.input_bytes, "optimizer": problem.optimizer_bytes,
             "param_grads": int(by_cat[3]), "activations": int(by_cat[0]), "recomputed": int(by_cat[1]),
             "act_grads": int(by_cat[2]), "temporaries": int(self.temps[at]),
         }
@@ -574,7 +648,7 @@ class _Layout:
         seconds, hook_time, calls = self.seconds(problem, saved)
         copies = off.exposed_s if off is not None else 0.0
         return SimResult(
-            peak_bytes=max(int(live[at]) + problem.fixed_bytes, problem.fixed_bytes),
+            peak_bytes=max(int(live[at]) + self.fixed, self.fixed),
             recompute_time=seconds + calls + copies,
             call_time=calls,
             hook_time=hook_time,

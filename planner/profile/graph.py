@@ -8,7 +8,7 @@ from typing import Any
 import networkx as nx
 
 from ..lower.offload import STORAGE_OUTPUTS
-from ..solvers.problem import Node, Problem, Storage
+from ..solvers.problem import Cast, Node, Problem, Storage
 
 __all__ = ["NodeCost", "StorageCost", "CostGraph"]
 
@@ -100,6 +100,11 @@ class CostGraph:
     recompute_scale: float = 1.0
     """The factor node times were scaled by so that a recompute costs what it does in a real step
     (timing.with_step_times); 1.0 when not calibrated."""
+    casts: tuple[Cast, ...] = ()
+    """Autocast's cached casts of parameters (in `param_bytes`), with the nodes that read and save each."""
+    casts_cleared: bool = False
+    """The backward runs on autograd's device thread (CUDA), whose first recompute empties autocast's cache:
+    see `solvers.Problem.casts_cleared`."""
     stages: tuple[tuple[int, int], ...] = ()
     """Node spans profiled one at a time on real tensors (profile/stagewise.py): the plain step was never
     run, so whatever runs the model after profiling compares with the step checkpointed per block.
@@ -173,6 +178,8 @@ class CostGraph:
             step_time_s=self.step_time_s,
             graph_overhead_s=self.graph_overhead_s,
             # where each storage is found again as a node output when a plan offloads it (lower/offload.py)
+            casts=self.casts,
+            casts_cleared=self.casts_cleared,
             meta={STORAGE_OUTPUTS: tuple((self.nodes[s.producer].name, s.output) for s in self.storages)},
             **offload,
         )
@@ -209,6 +216,8 @@ class CostGraph:
             "stages": [list(s) for s in self.stages],
             "param_bytes": self.param_bytes,
             "input_bytes": self.input_bytes,
+            "casts": [asdict(c) for c in self.casts],
+            "casts_cleared": self.casts_cleared,
             "nodes": [asdict(n) for n in self.nodes],
             "storages": [asdict(s) for s in self.storages],
         }

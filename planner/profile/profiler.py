@@ -40,6 +40,7 @@ from ..capture.trace import Capture, flatten_for_graph
 from ..errors import InputError
 from ..lower.selective import PolicyCounter, try_policy_costs
 from ..model_state import rng_preserved
+from ..solvers.problem import Cast
 from .backward import measure_backward, with_backward_temps
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, block_bytes, storage_key, tensor_block_bytes, warm_device_libraries
@@ -314,7 +315,7 @@ def _build(
         )
     _mark_outputs(gm, env, index, table, nodes)
     return _cost_graph(gm, flat, nodes, table.storages, params, param_reader, method=method, device=device,
-                       cast_bytes=sum(casts.values()))
+                       cast_bytes=sum(casts.values()), casts=_cast_costs(prof, casts, index))
 
 
 def _cached_casts(prof: CostProfiler, env: dict, compute: list[fx.Node]) -> dict[int, int]:
@@ -327,6 +328,33 @@ def _cached_casts(prof: CostProfiler, env: dict, compute: list[fx.Node]) -> dict
     outputs = {storage_key(t) for n in compute if n in env for t in strided_tensors(env[n])}
     held = {storage_key(t) for t in alive(prof.casts.refs)}
     return {key: nbytes for key, nbytes in prof.casts.made.items() if key in held and key not in outputs}
+
+
+def _cast_costs(prof: CostProfiler, casts: dict[int, int], index: dict[str, int]) -> tuple[Cast, ...]:
+    """Each cached cast with the nodes that took it and those whose backward keeps it (a saved tensor of
+    theirs is the cast or a view of it). A cast no node took stays counted with the parameters alone."""
+    if not casts:
+        return ()
+    savers: dict[int, set[int]] = {}
+    for name, i in index.items():
+        for t in alive(prof.events[name][0]):
+            if storage_key(t) in casts:
+                savers.setdefault(storage_key(t), set()).add(i)
+    out = []
+    for key, nbytes in casts.items():
+        readers = {index[name] for name in prof.casts.readers.get(key, ()) if name in index}
+        if readers:
+            out.append(Cast(nbytes=nbytes, readers=tuple(sorted(readers)),
+                            savers=tuple(sorted(savers.get(key, set()) & readers))))
+    return tuple(out)
+
+
+def _backward_on_own_thread(device: str) -> bool:
+    """Whether autograd runs this device's backward on a thread of its own (every device but the CPU, unless
+    `torch.autograd.set_multithreading_enabled(False)`): there the first recompute empties autocast's cache."""
+    if torch.device(device).type in ("cpu", "meta"):
+        return False
+    return bool(getattr(torch._C, "_is_multithreading_enabled", lambda: True)())
 
 
 def _allocator_temps(prof: CostProfiler) -> dict[str, int]:
@@ -460,9 +488,11 @@ def _cost_graph(
     method: str,
     device: str,
     cast_bytes: int = 0,
+    casts: tuple[Cast, ...] = (),
 ) -> CostGraph:
     """The CostGraph of the per-node and per-storage records; each parameter's gradient is counted at the
-    last node that reads it (bytes). `cast_bytes`: autocast's cached casts of parameters, resident with them."""
+    last node that reads it (bytes). `cast_bytes`: autocast's cached casts of parameters, resident with them;
+    `casts`: those of them the nodes took, with their readers and savers."""
     pgrad = [0] * len(nodes)
     for key, i in param_reader.items():
         p = params[key]
@@ -495,6 +525,8 @@ def _cost_graph(
         input_bytes=input_bytes,
         time_source=method,
         device=device,
+        casts=casts,
+        casts_cleared=bool(casts) and _backward_on_own_thread(device),
     )
 
 

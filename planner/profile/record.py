@@ -129,7 +129,7 @@ class CostProfiler(fx.Interpreter):
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
-        for watcher in (self.seeded, self.watch):
+        for watcher in (self.seeded, self.watch, self.casts):
             if watcher is not None:
                 watcher.node = n.name
         try:
@@ -138,7 +138,7 @@ class CostProfiler(fx.Interpreter):
         except Exception as e:
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
         finally:
-            for watcher in (self.seeded, self.watch):
+            for watcher in (self.seeded, self.watch, self.casts):
                 if watcher is not None:
                     watcher.node = None
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
@@ -205,9 +205,17 @@ class AutocastCasts(TorchDispatchMode):
         """Storage key -> bytes of each cast made."""
         self.refs: list[weakref.ref] = []
         """The casts themselves (the backward's counter tracks them: the cache holds them through it)."""
+        self.readers: dict[int, set[str]] = {}
+        """Storage key -> the nodes whose ops took the cast (the one that made it, and those that found it cached)."""
+        self.node: str | None = None
+        """The running node's name (set by the recorder)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.made and self.node is not None:
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and storage_key(t) in self.made:
+                    self.readers.setdefault(storage_key(t), set()).add(self.node)
         out = func(*args, **kwargs)
         if func is _TO_COPY and args and isinstance(out, torch.Tensor) and out.layout == torch.strided:
             t = args[0]
@@ -219,6 +227,8 @@ class AutocastCasts(TorchDispatchMode):
                 if key not in self.made:
                     self.made[key] = tensor_block_bytes(out)
                     self.refs.append(weakref.ref(out))
+                if self.node is not None:
+                    self.readers.setdefault(key, set()).add(self.node)
         return out
 
 

@@ -64,3 +64,30 @@ def compare(model, module, inputs, **kw) -> tuple[bool, bool, bool]:
             b.copy_(start[n])
     got = step(module, model, inputs, **kw)
     return same(ref[0], got[0]), same(ref[1], got[1]), same(ref[2], got[2])
+
+
+def as_on_a_backward_thread(loss_fn=default_loss):
+    """`loss_fn` whose loss's backward sees autocast as autograd's device thread does on CUDA: outside any
+    autocast context of its own, so that a recompute entering and leaving autocast empties the cache of
+    parameter casts the whole process shares. The caller's nesting is taken down to zero when the backward
+    starts (a hook on the loss) and restored when it ends (an engine callback); nothing else changes."""
+
+    def loss_of(out):
+        loss = loss_fn(out)
+
+        def outside_autocast(grad):
+            levels = 1
+            while torch.autocast_decrement_nesting() > 0:
+                levels += 1
+
+            def restore():
+                for _ in range(levels):
+                    torch.autocast_increment_nesting()
+
+            torch.autograd.Variable._execution_engine.queue_callback(restore)
+            return grad
+
+        loss.register_hook(outside_autocast)
+        return loss
+
+    return loss_of

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from ckpt_planner.solvers import InfeasibleBudgetError, Problem, simulate, solve
 from ckpt_planner.solvers.heuristics.selective import block_regions
+from ckpt_planner.solvers.problem import Cast, Node, ProblemError, Storage
 from ckpt_planner.solvers.simulate import LAYOUTS_KEPT, normalize_regions, region_parents, replay
 
 from .test_solvers_problems import random_chain, random_dag
@@ -30,8 +31,21 @@ def assert_same(problem: Problem, regions, saved=()) -> None:
     assert figures(simulate(problem, regions, saved=saved)) == figures(replay(problem, regions, saved=saved))
 
 
+def with_casts(rng: random.Random, problem: Problem) -> Problem:
+    """The problem with a few autocast casts of parameters, read and saved by random nodes, let go by the
+    cache at the first recompute (as on autograd's device thread)."""
+    casts = []
+    for _ in range(rng.randint(1, 4)):
+        readers = sorted(rng.sample(range(problem.n), rng.randint(1, min(4, problem.n))))
+        savers = tuple(k for k in readers if rng.random() < 0.6)
+        casts.append(Cast(nbytes=rng.randint(1, 9), readers=tuple(readers), savers=savers))
+    return dataclasses.replace(problem, casts=tuple(casts), casts_cleared=True,
+                               param_bytes=problem.param_bytes + sum(c.nbytes for c in casts))
+
+
 def with_costs(rng: random.Random, problem: Problem) -> Problem:
-    """The problem with random generator states, kept-op candidates, hook counts and per-call costs."""
+    """The problem with random generator states, kept-op candidates, hook counts and per-call costs, and
+    half the time autocast's casts (`with_casts`)."""
     nodes = tuple(
         dataclasses.replace(
             node, rng_state_bytes=rng.choice([0, 0, 0, 3]), saveable=rng.random() < 0.5,
@@ -39,10 +53,11 @@ def with_costs(rng: random.Random, problem: Problem) -> Problem:
         )
         for node in problem.nodes
     )
-    return dataclasses.replace(
+    problem = dataclasses.replace(
         problem, nodes=nodes, saved_overhead_s=rng.choice([0.0, 0.0137]), op_overhead_s=rng.choice([0.0, 0.003]),
         region_overhead_s=rng.choice([0.0, 0.1]), optimizer_bytes=rng.randint(0, 5),
     )
+    return with_casts(rng, problem) if rng.random() < 0.5 else problem
 
 
 def nested_plan(rng: random.Random, problem: Problem) -> tuple[tuple[int, int], ...]:
@@ -133,3 +148,45 @@ def test_problem_arrays_are_derived_not_carried():
     renamed = dataclasses.replace(problem, name="other")
     assert "arrays" not in renamed.__dict__
     assert figures(simulate(copy, ())) == figures(simulate(problem, ()))
+
+
+def test_casts_go_with_the_first_recompute_and_come_back_with_each_later_one():
+    """Four nodes in two regions; a 100-byte cast read and saved by nodes 1 and 3. Where the first recompute
+    empties autocast's cache, the cast goes after node 3's backward (its last holder), is made again by the
+    second recompute at node 1, and goes after node 1's backward; held by the cache, it stays throughout."""
+    nodes = tuple(Node(name=f"n{i}", time=1.0, inputs=(i - 1,) if i else (), reads=(i - 1,) if i else ())
+                  for i in range(4))
+    storages = tuple(Storage(producer=i, nbytes=10, last_use=min(i + 1, 3), saved_by=(i + 1,) if i < 3 else ())
+                     for i in range(4))
+    cleared = Problem(nodes=nodes, storages=storages, param_bytes=1000, casts=(Cast(100, (1, 3), (1, 3)),),
+                      casts_cleared=True)
+    held = dataclasses.replace(cleared, casts_cleared=False)
+    regions = ((0, 1), (2, 3))
+    before, after = (replay(p, regions, timeline=True).timeline for p in (held, cleared))
+    assert [e[:2] for e in before] == [e[:2] for e in after]
+    gone = [b - a for (_, _, b), (_, _, a) in zip(before, after)]
+    phases = [e[:2] for e in before]
+    back3 = phases.index(("backward", 3)) + 1  # after node 3's backward released what it held
+    remake = phases.index(("recompute", 1))
+    assert gone[:back3] == [0] * back3  # the forward, the first recompute and node 3's backward: all held
+    assert set(gone[back3:remake]) == {100}  # gone until the second recompute reaches node 1
+    assert gone[remake] == 0 and gone[-1] == 100  # made again there, gone again after node 1's backward
+    for p in (held, cleared):
+        assert_same(p, regions)
+    assert_same(cleared, ())  # no recompute: the cache is never emptied
+    assert simulate(cleared, ()).peak_bytes == simulate(held, ()).peak_bytes
+
+
+def test_casts_survive_the_problem_file_and_bad_ones_are_named():
+    rng = random.Random(3)
+    problem = with_casts(rng, random_dag(rng, 12))
+    back = Problem.from_dict(json.loads(json.dumps(problem.to_dict())))
+    assert back.casts == problem.casts and back.casts_cleared
+    regions = nested_plan(rng, problem)
+    assert figures(simulate(back, regions)) == figures(simulate(problem, regions))
+    data = problem.to_dict()
+    assert Problem.from_dict({k: v for k, v in data.items() if k not in ("casts", "casts_cleared")}).casts == ()
+    for bad in ({"nbytes": 4, "readers": [99]}, {"nbytes": -1, "readers": [0]}, {"nbytes": 4, "readers": []},
+                {"nbytes": 10**9, "readers": [0]}):
+        with pytest.raises(ProblemError, match="casts"):
+            Problem.from_dict({**data, "casts": [bad]})
