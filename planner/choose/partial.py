@@ -19,8 +19,9 @@ eagerly, as torch.compile does at graph breaks:
    first piece, the gradients of the eager code's parameters and the pieces'
    inputs that no piece made are counted resident for the whole step; a piece's
    input that an earlier piece returns, or that the model was called with, is
-   counted once, with that piece's outputs or the inputs. The prediction is
-   an upper bound.
+   counted once, with that piece's outputs or the inputs. Under autocast the
+   pieces' casts of parameters come with their profiles, and the casts only
+   the eager code takes are counted resident. The prediction is an upper bound.
 4. The solution's regions are split back per piece; each piece is rewritten
    and put in place of its submodule in a shallow copy of the model, which
    shares every parameter and buffer and keeps the state_dict keys.
@@ -34,6 +35,7 @@ A call with a larger input is refused with `ShapeError`, or with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -52,10 +54,12 @@ from ..lower.rewrite import rewrite, safe_regions
 from ..model_state import ModelState
 from ..plan import Plan, Region
 from ..profile.graph import CostGraph
+from ..profile.memory import autocast_dtypes, fresh_autocast_cache, storage_key
 from ..profile.profiler import ProfileConfig, profile
+from ..profile.record import AutocastCasts
 from ..settings import PlanRequest
 from ..solvers.plans import normalize_regions
-from ..solvers.problem import Node, Problem, Storage
+from ..solvers.problem import Cast, Node, Problem, Storage
 from ..solvers.simulate import simulate
 from .base import BasePlanner
 from .budget import within_device_limit
@@ -157,10 +161,15 @@ class EagerCosts:
     each two, after the last (one more than the pieces)."""
     edges: int
     """The pieces' inputs that no piece returned, nor the model was called with: made by the eager code."""
+    casts: int = 0
+    """Under autocast, the casts of parameters that only the eager code takes: its cache holds them through
+    the step (the pieces' own are in their profiles)."""
 
 
 def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list[str]) -> EagerCosts:
-    """One forward with grad: the eager code's saved activations per stretch, and the pieces' inputs it made."""
+    """One forward with grad: the eager code's saved activations per stretch, the pieces' inputs it made, and
+    under autocast the casts of parameters it alone takes (a cast it saves is one of those, or a piece's: not
+    an activation either way)."""
     own = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
     own |= {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     inside, done = [0], [0]  # pieces running now; pieces whose forward has returned
@@ -168,10 +177,13 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
     made = dict.fromkeys(own, 0)  # storages resident already: state, inputs, the pieces' outputs
     edges: dict[int, int] = {}
 
+    dtypes = autocast_dtypes()
+    casts = AutocastCasts(dtypes) if dtypes else None
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not inside[0] and t.device.type != "meta":
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in own:
+            if ptr not in own and (casts is None or storage_key(t) not in casts.made):
                 saved[done[0]][ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -180,6 +192,8 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
 
     def enter(_mod: torch.nn.Module, a: tuple, k: dict) -> None:
         inside[0] += 1
+        if casts is not None:
+            casts.node = "piece"
         for t in tensors((a, k)):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in made:
@@ -188,6 +202,8 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
     def leave(_mod: torch.nn.Module, _a: tuple, _k: dict, out: Any) -> None:
         inside[0] -= 1
         done[0] += 1
+        if casts is not None and not inside[0]:
+            casts.node = "eager"
         made.update(dict.fromkeys(t.untyped_storage().data_ptr() for t in tensors(out)))
 
     handles = []
@@ -195,15 +211,22 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
         mod = model.get_submodule(path)
         handles.append(mod.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(mod.register_forward_hook(leave, with_kwargs=True))
+    fresh_autocast_cache()  # every cast is made, and seen, in this forward
     try:
-        with ModelState(model).preserved(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ModelState(model).preserved())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            if casts is not None:
+                casts.node = "eager"
+                stack.enter_context(casts)
             model.train()
             out = model(*args, **kwargs)
             del out
     finally:
         for h in handles:
             h.remove()
-    return EagerCosts(tuple(sum(s.values()) for s in saved), sum(edges.values()))
+    alone = sum(casts.made[key] for key, by in casts.readers.items() if by == {"eager"}) if casts is not None else 0
+    return EagerCosts(tuple(sum(s.values()) for s in saved), sum(edges.values()), alone)
 
 
 def _eager_node(name: str, index: int, saved_bytes: int, before: list[Node], offset: int) -> tuple[Node, list[Storage]]:
@@ -225,6 +248,7 @@ def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int,
     storages: list[Storage] = []
     offsets: list[int] = []
     eager_saved = tuple(eager_saved) + (0,) * (len(pieces) + 1 - len(eager_saved))
+    casts: list[Cast] = []  # autocast's casts of the pieces' parameters, counted with the fixed bytes
     base = 0
     for k, (path, _, cost) in enumerate(pieces):
         if k:
@@ -249,11 +273,14 @@ def _join(pieces: list[tuple[str, Capture, CostGraph]], fixed_bytes: int,
                     s, producer=s.producer + base, last_use=s.last_use + base, saved_by=tuple(i + base for i in s.saved_by)
                 )
             )
+        casts += [Cast(c.nbytes, tuple(i + base for i in c.readers), tuple(i + base for i in c.savers)) for c in cost.casts]
     if pieces:  # the loss and whatever else follows the last piece
         node, own = _eager_node(f"eager after {pieces[-1][0]}", len(nodes), eager_saved[len(pieces)], nodes[base:], base)
         nodes.append(node)
         storages += own
-    return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes), offsets
+    cleared = any(cost.casts_cleared for _, _, cost in pieces)
+    return Problem(nodes=tuple(nodes), storages=tuple(storages), param_bytes=fixed_bytes + sum(c.nbytes for c in casts),
+                   casts=tuple(casts), casts_cleared=cleared), offsets
 
 
 class PartialPlanner(BasePlanner):
@@ -288,7 +315,7 @@ class PartialPlanner(BasePlanner):
         in_pieces = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
         state = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
         eager_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_pieces)
-        self.eager_bytes = eager.saved[0] + eager_grads + eager.edges  # bytes counted resident for the step
+        self.eager_bytes = eager.saved[0] + eager_grads + eager.edges + eager.casts  # bytes resident for the step
         fixed = sum(t.untyped_storage().nbytes() for t in state) + optimizer_bytes + self.eager_bytes
         fixed += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         self.problem, offsets = _join(costs, fixed, eager.saved)
@@ -380,8 +407,8 @@ class PartialPlanner(BasePlanner):
             f"submodules: {', '.join(p.path for p in self.pieces)}",
             f"left out, run eagerly: {shown}; their saved activations ({self.eager_saved_bytes / 1e6:.2f} MB) are "
             "held from their forward to their backward, and those before the first piece, their parameters' "
-            f"gradients and the pieces' inputs they make ({self.eager_bytes / 1e6:.2f} MB in all) for the whole "
-            "step, so the predicted peak is an upper bound",
+            "gradients, the pieces' inputs they make and, under autocast, the casts of parameters they alone take "
+            f"({self.eager_bytes / 1e6:.2f} MB in all) for the whole step, so the predicted peak is an upper bound",
         )
 
 
