@@ -17,7 +17,8 @@ When every MILP backend fails, the plans of the other solvers stand and
 Offloading: on a problem that can offload (`Problem.can_offload`: both copy bandwidths and a host
 budget), auto also runs `ilp_offload` (up to `ilp.MAX_NODES` nodes) and adds offloads
 (`offload.choose_offloads`) to the plan without regions, to the best recompute-only plan and to dp's plans
-for looser budgets (`SPLITS`: recompute less, copy the rest); the same rule picks among all, so the
+for looser budgets (`SPLITS`, and `WINDOW_SPLITS` of the bytes the forward's copy stream moves: recompute
+less, copy the rest); the same rule picks among all, so the
 answer is never worse than the recompute-only one. Elsewhere nothing of
 this runs and the plans are those of a problem without offloading.
 """
@@ -180,6 +181,10 @@ SPLITS = (0.1, 0.25, 0.5)
 """Where between the budget and the plain step's peak (fractions of the gap) `auto` also takes dp's
 recompute plan and offloads down to the budget: a plan that recomputes less and copies the rest."""
 
+WINDOW_SPLITS = (0.5, 1.0)
+"""Looser budgets `auto` also takes dp's plan for, above the budget by these fractions of the bytes the copy
+stream moves in one forward (forward seconds x `d2h_bytes_per_s`), then offloads down to the budget."""
+
 
 def _offload_plans(problem: Problem, budget_bytes: int, best: SolverResult, time_limit: float | None, milp: bool):
     """(name, result) of the offloading plans auto weighs against the recompute-only ones: offloads alone,
@@ -193,6 +198,13 @@ def _offload_plans(problem: Problem, budget_bytes: int, best: SolverResult, time
         for f in SPLITS:
             looser = int(budget_bytes + f * (top - budget_bytes))
             bases.append((f"offload+dp@{f:g}", search.solve(looser)))
+        # The bytes the forward's copy stream can move while compute hides it: a looser plan that keeps more
+        # than that pays for each extra byte in exposed copy time, one that keeps less leaves the stream idle.
+        # SPLITS follow the plain step's peak, which has nothing to do with the copies.
+        window = problem.total_time * problem.d2h_bytes_per_s
+        for f in WINDOW_SPLITS:
+            if budget_bytes + f * window < top:  # a float: a stream of unbounded bandwidth moves everything
+                bases.append((f"offload+dp@window{f:g}", search.solve(int(budget_bytes + f * window))))
     for name, base in bases:
         found = choose_offloads(problem, budget_bytes, base.regions, base.saved)
         if found is not None and found[0]:

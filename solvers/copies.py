@@ -15,10 +15,14 @@ backward needs it. The model (`simulate` accounts for it, the solvers optimise i
   stream's overhang past the forward's end is exposed time.
 * Host to device: one serial copy stream. Storage t must be back before the backward reaches its first
   use `first_use` (the latest backward step that reads it: a saver outside every region, or the step
-  whose recompute reads it). Its prefetch is issued at the start of backward step `fetch_step`: the
-  nearest step whose baseline backward compute up to the use covers the copy (the copy's window), and
-  it holds device bytes from then until its usual release step. The compute waits at the use for a
-  prefetch that is late; the waits are exposed time.
+  whose recompute reads it). Its prefetch is issued at the start of backward step `fetch`: the latest
+  start that has every copy done by its use on the one serial stream, in baseline backward compute
+  (`fetch_steps`: the copies are laid out back to back, due last placed first, each as late as its
+  use and the copy after it allow). A copy alone on the stream is issued at `fetch_step`, the nearest
+  step whose compute up to the use covers it; copies whose windows overlap are issued earlier, so that
+  the ones queued behind others are not late by the queue. It holds device bytes from its issue until
+  its usual release step. The compute waits at the use for a prefetch that is late; the waits are
+  exposed time.
 * Host memory: at the forward's end every offloaded storage is on the host at once, so the plan's
   pinned bytes are the sum of theirs (`host_bytes`), which `host_budget_bytes` bounds.
 
@@ -42,6 +46,7 @@ __all__ = [
     "offloadable",
     "normalize_offloaded",
     "fetch_step",
+    "fetch_steps",
     "timing",
     "host_bytes",
     "backward_prefix",
@@ -163,6 +168,28 @@ def fetch_step(prefix: list[float], first_use: int, seconds: float) -> int:
     return min(q, len(prefix) - 1)
 
 
+def fetch_steps(prefix: list[float], uses: dict[int, int], seconds: dict[int, float]) -> dict[int, int]:
+    """{storage: backward step at whose start its prefetch is issued}, for copies sharing one serial stream
+    (uses: storage -> first_use; seconds: storage -> copy time).
+
+    Each storage's copy must end by the start of its use, and the stream moves one copy at a time: laid out
+    back to back from the copy due last (the least first_use) to the one due first, each ends at its use or
+    where the copy after it starts, whichever is earlier, and is issued at the start of the step that
+    contains its start (the latest step whose compute up to the start covers it). A copy that meets no other
+    is issued at `fetch_step`; where windows overlap, `fetch_step` would issue each as if the stream were
+    free, and all but the first would wait behind the others and arrive late though the backward had time
+    to hide them all. Distances are baseline backward compute before the end of the backward (prefix), as
+    in `fetch_step`; recomputes only add time before each use."""
+    out: dict[int, int] = {}
+    last = len(prefix) - 1
+    start = float("-inf")  # prefix distance at which the copy placed before starts (the stream's cursor)
+    for t in sorted(uses, key=lambda t: (uses[t], -t)):  # due last first; ties: the lower index runs first
+        use = uses[t]
+        start = max(prefix[use], start) + max(seconds[t], 0.0)  # a copy of no time still waits its turn
+        out[t] = use if start <= prefix[use] else min(bisect.bisect_left(prefix, start, lo=use + 1), last)
+    return out
+
+
 @dataclass(frozen=True)
 class OffloadTiming:
     """The copy schedule of a plan's offloads (see the module docstring)."""
@@ -199,7 +226,7 @@ def timing(problem: Problem, regions, saved, uses: dict[int, tuple[int, int]]) -
 
     prefix = backward_prefix(problem)
     copy = {t: storages[t].nbytes / problem.h2d_bytes_per_s for t in uses}
-    fetch = {t: fetch_step(prefix, use, copy[t]) for t, (_, use) in uses.items()}
+    fetch = fetch_steps(prefix, {t: use for t, (_, use) in uses.items()}, copy)
     issued: dict[int, list[int]] = {}
     needed: dict[int, list[int]] = {}
     for t in sorted(uses, key=lambda t: (-fetch[t], -uses[t][1], t)):  # the stream's order

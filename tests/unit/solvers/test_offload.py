@@ -10,8 +10,9 @@ import random
 
 import pytest
 from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, ProblemError, Storage, simulate, solve
-from ckpt_planner.solvers.copies import offloadable
+from ckpt_planner.solvers.copies import backward_prefix, backward_uses, fetch_step, fetch_steps, offloadable, timing
 from ckpt_planner.solvers.exact.bruteforce import enumerate_plans
+from ckpt_planner.solvers.exact.dp import DPSearch
 from ckpt_planner.solvers.offload import choose_offloads
 from ckpt_planner.solvers.simulate import replay
 
@@ -96,6 +97,50 @@ def test_copy_schedule_on_a_chain():
     assert sim.offload_time == pytest.approx(2.0 + 8.0)
     assert sim.recompute_time == sim.offload_time
     assert off_figures(sim) == off_figures(replay(slow, offloaded=[0]))
+
+
+def test_prefetches_that_share_the_stream_are_issued_early_enough_to_be_on_time():
+    """Two copies of 4 s back, due at steps 1 and 2 of a 12 s backward: each issued where it would be on time
+    alone (steps 3 and 4), a_0 waits 2 s behind a_1 on the one stream and arrives late. Laid out back to back
+    from the one due last, a_1 is issued at step 5 and both are on time; a copy alone is issued as before."""
+    problem = dataclasses.replace(chain(6), d2h_bytes_per_s=INF, h2d_bytes_per_s=25.0, host_budget_bytes=10**9)
+    uses = backward_uses(problem, ())
+    assert (uses[0][1], uses[1][1]) == (1, 2)
+    prefix = backward_prefix(problem)
+    assert (fetch_step(prefix, 1, 4.0), fetch_step(prefix, 2, 4.0)) == (3, 4)  # each alone
+    both = timing(problem, (), (), {t: uses[t] for t in (0, 1)})
+    assert both.fetch == {0: 3, 1: 5} and both.exposed_s == 0.0
+    sim = simulate(problem, offloaded=[0, 1])
+    assert sim.offload_time == 0.0 and sim.recompute_time == 0.0
+    assert off_figures(sim) == off_figures(replay(problem, offloaded=[0, 1]))
+    for t in (0, 1):
+        assert timing(problem, (), (), {t: uses[t]}).fetch == {t: fetch_step(prefix, uses[t][1], 4.0)}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_prefetch_is_never_issued_later_than_alone_nor_late_where_the_backward_can_hide_it(seed):
+    """The joint schedule issues each copy no later than `fetch_step` would alone, and, under baseline compute,
+    a copy is on time wherever the backward before its use is long enough for it and every copy due before it."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 30)
+    prefix = [float(x) for x in itertools.accumulate(rng.choice([0.5, 1.0, 2.0]) for _ in range(n))]
+    uses = {t: rng.randrange(n) for t in range(rng.randint(1, 8))}
+    seconds = {t: rng.choice([0.0, 0.3, 1.0, 2.5, 6.0]) for t in uses}
+    fetch = fetch_steps(prefix, uses, seconds)
+    assert all(fetch[t] >= fetch_step(prefix, uses[t], seconds[t]) for t in uses)
+    assert fetch_steps(prefix, {0: uses[0]}, {0: seconds[0]}) == {0: fetch_step(prefix, uses[0], seconds[0])}
+    # The stream as `timing` runs it, on baseline compute: issued in its order, each waiting for the one before.
+    clock = stream = 0.0
+    done: dict[int, float] = {}
+    for k in range(n - 1, -1, -1):
+        for t in sorted((t for t in uses if fetch[t] == k), key=lambda t: (-uses[t], t)):
+            stream = max(clock, stream) + seconds[t]
+            done[t] = stream
+        for t in (t for t in uses if uses[t] == k):
+            due = sum(seconds[u] for u in uses if uses[u] >= k)
+            if prefix[-1] - prefix[k] >= due:  # room for this copy and every one due before it
+                assert done[t] <= prefix[-1] - prefix[k] + 1e-9
+        clock = prefix[-1] - prefix[k - 1] if k else prefix[-1]
 
 
 def test_offloadable_storages_follow_the_plan():
@@ -266,3 +311,19 @@ def test_a_storage_made_inside_its_op_is_never_offloaded():
         simulate(fast_sealed, (), offloaded=(hidden[0],))
     assert sealed.fingerprint() == problem.fingerprint()  # where a copy can start is not the graph's shape
 
+
+
+def test_auto_tries_the_recompute_plan_for_the_budget_plus_what_the_forward_can_copy():
+    """mlp(12) at 20 B/s: its forward (12 s) moves 240 bytes to the host while compute hides the copies. dp's
+    plan for the budget plus those bytes, offloaded down to the budget, recomputes 7 s; the looser budgets
+    that follow the plain step's peak (`SPLITS`) keep either too little more or more than the stream moves."""
+    plain = mlp(12)
+    problem = offloading(plain, 20.0)
+    budget = 780
+    window = problem.total_time * problem.d2h_bytes_per_s
+    base = DPSearch(problem).solve(int(budget + window))
+    found = choose_offloads(problem, budget, base.regions, base.saved)
+    assert found is not None and found[1].recompute_time == pytest.approx(7.0)
+    plan = solve(problem, budget, solver="auto")
+    assert plan.peak_bytes <= budget and plan.recompute_time <= found[1].recompute_time
+    assert plan.recompute_time < solve(plain, budget, solver="auto").recompute_time
