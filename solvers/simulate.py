@@ -26,10 +26,7 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   prefetch and is freed at its usual release step; the copy time no compute hides is added to the
   recompute time (`offload_time`).
 * Autocast's cached casts of parameters (`problem.casts`) are fixed memory, unless
-  `problem.casts_cleared`: then the first recompute empties the cache, and a cast stays only
-  while a node of the plain forward or of that recompute that saved it waits for its backward;
-  every later recompute makes each cast it uses again at its first reader there, held until the
-  backward of its last saver in that context, or to the recompute's end if none saves it.
+  `problem.casts_cleared`: then the first recompute empties the cache (see `solvers.casts`).
 * Each checkpoint call costs `problem.region_overhead_s` per step, every
   op of a kept node (the only ops that run under a selective policy; one
   more for the policy's mode) costs `problem.op_overhead_s` in the forward
@@ -56,6 +53,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .casts import held_until
+from .casts import intervals as cast_intervals
+from .casts import remade as casts_remade
 from .copies import normalize_offloaded, timing
 from .plans import normalize_regions, normalize_saved, region_parents
 from .problem import Problem
@@ -250,18 +250,6 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
                 observe(phase, j)
         return cached
 
-    def remade(r: int) -> dict[int, list[tuple[int, int | None]]]:
-        """The casts region r's recompute makes again once the cache is empty: per first reader in the
-        pass, (bytes, backward step of the last of its savers in r's context, None: none saves it)."""
-        s, stop = regions[r][0], stops[r]
-        out: dict[int, list[tuple[int, int | None]]] = {}
-        for cast in casts:
-            readers = [j for j in cast.readers if s <= j <= stop]
-            if readers:
-                held = [j for j in cast.savers if s <= j <= stop and inner[j] == r]
-                out.setdefault(min(readers), []).append((cast.nbytes, min(held) if held else None))
-        return out
-
     # Which regions recompute at which backward step, and how far.
     trigger: dict[int, list[int]] = {}
     has_inputs = {r for regs in input_of for r in regs}
@@ -314,16 +302,17 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
             hook_time += hooks
             recompute_time += hooks + sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
             live["recomputed"] += rng_of[r]
-            cached = forward_pass(s, stops[r], r, "recompute", "recomputed", remade(r) if cache_emptied and casts else None)
+            made = casts_remade(casts, inner, r, s, stops[r]) if cache_emptied and casts else None
+            cached = forward_pass(s, stops[r], r, "recompute", "recomputed", made)
             live["recomputed"] -= rng_of[r] + cached
             if not cache_emptied:  # this recompute found the forward's casts cached, then emptied the cache
                 cache_emptied = True
                 for cast in casts:
-                    held = [j for j in cast.savers if j <= k and (inner[j] == -1 or (inner[j] == r and s <= j <= stops[r]))]
-                    if held:
-                        release_at[min(held)].append((cast.nbytes, "parameters"))
-                    else:
+                    until = held_until(cast, inner, r, s, stops[r], k)
+                    if until is None:
                         live["parameters"] -= cast.nbytes
+                    else:
+                        release_at[until].append((cast.nbytes, "parameters"))
         node = nodes[k]
         extra = 0
         for j in set(node.inputs):
@@ -496,7 +485,7 @@ class _Layout:
         self.cleared_casts = 0  # cast bytes taken out of the fixed memory: where they live is in the parts
         if problem.casts_cleared and len(a.cast_bytes) and len(passes):
             self.cleared_casts = int(a.cast_bytes.sum())
-            parts.extend(self._cast_parts(a, inner, passes, p_s, p_stop, p_base, p_len))
+            parts.extend(cast_intervals(a, inner, bslot, passes, p_s, p_stop, p_base, p_len))
         self.fixed = problem.fixed_bytes - self.cleared_casts
         """Bytes resident through the whole step under this plan: the problem's, less casts the cache lets go."""
         parts.append((bslot[a.grad_consumer], bslot[a.grad_nodes] + 1, a.grad_bytes, 2))
@@ -512,36 +501,6 @@ class _Layout:
         temps[bslot] = a.backward_temp
         temps[_ranges(p_base, p_len)] = a.temp[_ranges(p_s, p_len)]
         self.live = np.cumsum(self.delta[:T]) + temps  # bytes at each slot with no node kept
-
-    def _cast_parts(self, a, inner, passes, p_s, p_stop, p_base, p_len) -> list[tuple]:
-        """The casts' intervals where the first recompute empties autocast's cache (`replay`): the forward's
-        casts up to that pass's end or their last holder's backward, and each later pass's own."""
-        big = np.iinfo(np.int64).max
-        bslot, m = self.bslot, len(a.cast_bytes)
-        k, c = a.cast_savers[:, 0], a.cast_savers[:, 1]
-        r0 = passes[0]
-        holds = (inner[k] == -1) | ((inner[k] == r0) & (k >= p_s[0]) & (k <= p_stop[0]))
-        holder = np.full(m, big, dtype=np.int64)
-        np.minimum.at(holder, c[holds], k[holds])
-        emptied = p_base[0] + p_len[0]
-        end = np.where(holder < big, np.maximum(emptied, bslot[np.minimum(holder, len(bslot) - 1)] + 1), emptied)
-        parts = [(np.zeros(m, dtype=np.int64), end, a.cast_bytes, 4)]
-        readers, savers = a.cast_readers, a.cast_savers
-        for q in range(1, len(passes)):
-            s, stop, r = p_s[q], p_stop[q], passes[q]
-            lo, hi = np.searchsorted(readers[:, 0], [s, stop + 1])
-            if lo == hi:
-                continue
-            cast, first = np.unique(readers[lo:hi, 1], return_index=True)  # readers come in node order
-            made = readers[lo:hi, 0][first]
-            lo, hi = np.searchsorted(savers[:, 0], [s, stop + 1])
-            own = savers[lo:hi][inner[savers[lo:hi, 0]] == r]
-            holder = np.full(m, big, dtype=np.int64)
-            np.minimum.at(holder, own[:, 1], own[:, 0])
-            held = holder[cast]
-            end = np.where(held < big, bslot[np.minimum(held, len(bslot) - 1)] + 1, p_base[q] + p_len[q])
-            parts.append((p_base[q] + made - s, end, a.cast_bytes[cast], 1))
-        return parts
 
     def kept_terms(self, problem: Problem, nodes: np.ndarray) -> _KeptTerms:
         """What keeping each of `nodes` (kept ops of flat regions, int64) changes in this plan's live bytes.
