@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from ckpt_planner.api import Planner
 from ckpt_planner.profile.loss import default_loss
 from ckpt_planner.profile.memory import measure_step_peaks
-from ckpt_planner.solvers import InfeasibleBudgetError, simulate
+from ckpt_planner.solvers import simulate
 
-from tests.models.zoo import ZOO, build
+from tests.models.zoo import ZOO, build, planned_at_half
 from tests.support.steps import as_on_a_backward_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +42,7 @@ def row_of(name: str) -> dict:
     model, inputs = build(name)
     params = list(model.parameters())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        planner = Planner(model, inputs)
-        planner.autotune = False
-        try:
-            plan = planner.plan(solver="auto", activation_budget=0.5)
-        except InfeasibleBudgetError as e:
-            plan = planner.plan(solver="auto", budget_bytes=e.smallest_bytes)
+        planner, plan = planned_at_half(model, inputs)
         problem = planner.profiled.problem
         cap = planner.profiled.capture
         spans, saved = plan.spans(), plan.saved_indices()

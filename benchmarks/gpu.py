@@ -549,13 +549,12 @@ def section_autocast(sizes: dict, dry: bool, emit, log) -> None:
     import dataclasses
 
     import torch
-    from ckpt_planner.api import Planner
     from ckpt_planner.profile.loss import default_loss
     from ckpt_planner.profile.memory import measure_step_peaks
-    from ckpt_planner.solvers import InfeasibleBudgetError, simulate
+    from ckpt_planner.solvers import simulate
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    from tests.models.zoo import build
+    from tests.models.zoo import build, planned_at_half
 
     device = _device(dry)
     for name in sizes["autocast"]:
@@ -563,12 +562,7 @@ def section_autocast(sizes: dict, dry: bool, emit, log) -> None:
         model, inputs = model.to(device), _to(inputs, device)
         params = list(model.parameters())
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            planner = Planner(model, inputs)
-            planner.autotune = False
-            try:
-                plan = planner.plan(solver="auto", activation_budget=0.5)
-            except InfeasibleBudgetError as e:
-                plan = planner.plan(solver="auto", budget_bytes=e.smallest_bytes)
+            planner, plan = planned_at_half(model, inputs)
             cap = planner.profiled.capture
             problem = planner.profiled.problem
             held = dataclasses.replace(problem, casts_cleared=False)  # as on the caller's thread

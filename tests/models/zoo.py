@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["UNet", "ZOO", "build", "run_case", "solver_names"]
+__all__ = ["UNet", "ZOO", "build", "planned_at_half", "run_case", "solver_names"]
 
 
 def _ids(batch: int, seq: int, vocab: int) -> torch.Tensor:
@@ -209,6 +209,21 @@ def solver_names() -> list[str]:
     import ckpt_planner.solvers as solvers
 
     return [name for name in solvers.SOLVERS if name not in ("none", "ilp_offload")]
+
+
+def planned_at_half(model: nn.Module, inputs: object) -> tuple[Any, Any]:
+    """(planner, plan): auto's plan at 50 % of the model's activation memory, under whatever autocast the
+    caller set, with no autotune race (bytes are what is checked); at the smallest budget auto names where
+    50 % is out of its reach."""
+    from ckpt_planner.api import Planner
+    from ckpt_planner.errors import InfeasibleBudgetError
+
+    planner = Planner(model, inputs)
+    planner.autotune = False
+    try:
+        return planner, planner.plan(solver="auto", activation_budget=0.5)
+    except InfeasibleBudgetError as e:
+        return planner, planner.plan(solver="auto", budget_bytes=e.smallest_bytes)
 
 
 def run_case(
