@@ -8,7 +8,8 @@ leaves the rows it wrote, and the next one starts clean):
   `torch.cuda.set_per_process_memory_fraction` set to that cap; `cap_segments` the same with
   `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.
 - `frontier`: a ~1B Llama (16 x 2,048, 2,048 tokens, batch 4, bf16) raced against transformers'
-  `every_n_layers` n = 1, 2, 4 and its `offload` option, ours planned at each of their measured peaks,
+  `every_n_layers` n = 1, 2, 4 and its `offload` option (built as transformers 5.24 builds it where the
+  installed one has none), ours planned at each of their measured peaks,
   with a twin of each of their points; CUDA events, interleaved, `rounds` steps each.
 - `zoo`: every model of tests/models/zoo.py planned at 50 % of its activation memory, in deterministic
   fp32 and in bf16 autocast: predicted peak against `torch.cuda.max_memory_allocated`, within budget,
@@ -120,12 +121,13 @@ def llama(s: dict, device, dtype) -> tuple[Any, dict]:
 
 def hf_every(model, n: int, offload: bool = False):
     """A copy of `model` under transformers' own checkpointing at every_n_layers=n (None where this
-    transformers has no such knob, or no offload option when offload is asked for)."""
+    transformers has no such knob). Where it has no offload option, offload is what later transformers do
+    (5.24): per-layer checkpointing with each checkpoint call inside `save_on_cpu(pin_memory=True)`."""
     import copy
 
     fn = getattr(model, "activation_checkpointing_enable", None)
     if offload and (fn is None or "offload" not in inspect.signature(fn).parameters):
-        return None
+        return _hf_offload_as_later(model)
     m = copy.deepcopy(model)
     if fn is not None:
         kwargs = {"offload": True} if offload else {}
@@ -141,6 +143,35 @@ def hf_every(model, n: int, offload: bool = False):
     layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i % n == 0
+    return m.train()
+
+
+def _hf_offload_as_later(model):
+    """transformers' offload option as 5.24 builds it, for a transformers without it: every layer checkpointed
+    (non-reentrant), its checkpoint call inside `torch.autograd.graph.save_on_cpu(pin_memory=True)`, so the
+    layer inputs a recompute needs wait in pinned host memory. None where the layers cannot be reached."""
+    import copy
+
+    import torch
+
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    device_type = next(model.parameters()).device.type
+
+    def offloaded(function, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True, device_type=device_type):
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
+    if not layers:
+        return None
+    for layer in layers:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = offloaded
     return m.train()
 
 
@@ -377,7 +408,9 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
         if m is None:
             emit({"kind": "contender", "name": f"hf {n}", "missing": "not in this transformers"})
             continue
-        name = "hf offload (every layer)" if n == "offload" else f"hf every_n_layers={n}"
+        own = "offload" in inspect.signature(getattr(model, "activation_checkpointing_enable", lambda: None)).parameters
+        name = (f"hf offload (every layer{'' if own else ', built as transformers 5.24 builds it'})" if n == "offload"
+                else f"hf every_n_layers={n}")
         peak, grads = peak_of(m, m, inputs, device)
         twin_m = hf_every(model, 1, offload=True) if n == "offload" else hf_every(model, n)
         theirs.append((Timer(name, m, m, device), peak, Timer(f"twin of {name}", twin_m, twin_m, device)))
@@ -459,9 +492,10 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
         f"{bw.h2d_bytes_per_s / 1e9:.1f} GB/s ({bw.source})")
     timers: list[Timer] = [eager]
     hf = hf_every(model, 1, offload=True) if device.type == "cuda" else None  # transformers' offload pins host memory
+    hf_peak = None
     if hf is None:
-        emit({"kind": "contender", "name": "hf offload", "missing": "no offload option in this transformers"
-              if device.type == "cuda" else "needs a CUDA device (it pins host memory)"})
+        emit({"kind": "contender", "name": "hf offload", "missing": "no checkpointed layers to offload in this "
+              "transformers" if device.type == "cuda" else "needs a CUDA device (it pins host memory)"})
     else:
         hf_peak, hf_grads = peak_of(hf, hf, inputs, device)
         timers.append(Timer("hf offload (every layer)", hf, hf, device))
@@ -479,6 +513,8 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
             floors[label] = e.smallest_bytes
     emit({"kind": "floors", **{f"{k}_floor_bytes": v for k, v in floors.items()}})
     points: list[tuple[str, int]] = [("per-layer peak", layer_peak)]
+    if hf_peak is not None:  # ours against transformers' offload at its own measured peak
+        points.append(("hf offload peak", hf_peak))
     if "recompute" in floors:
         points.append(("recompute floor", floors["recompute"]))
         if floors.get("offload", floors["recompute"]) < floors["recompute"]:
@@ -486,8 +522,8 @@ def section_offload(sizes: dict, dry: bool, emit, log) -> None:
     rows: list[tuple[Timer | None, dict]] = []
     for name, budget in points:
         for label, planner in planners.items():
-            if name == "offload reach" and label == "recompute":
-                continue  # below recompute's floor by construction
+            if label == "recompute" and budget < floors.get("recompute", 0):
+                continue  # below recompute's floor: only offload reaches it
             row = {"kind": "point", "point": name, "fraction": round(budget / layer_peak, 4), "budget_bytes": budget,
                    "plan": label}
             if time_left() < 0.3 * float(os.environ.get("GPU_SECTION_LIMIT", "inf")):  # keep time for the race
@@ -872,7 +908,11 @@ def markdown(results: dict) -> str:
         if floors:
             out += [f"Lowest budget each fits: recompute only {_mb(floors.get('recompute_floor_bytes'))} MB, with "
                     f"offload {_mb(floors.get('offload_floor_bytes'))} MB.", ""]
-        out += [f"transformers offload: {r.get('missing') or _mb(r.get('peak_bytes')) + ' MB'}"
+        raced = next((r for r in off if r.get("kind") == "race"), {})
+        hf_ms = raced.get("medians_ms", {}).get("hf offload (every layer)")
+        step = (f", step {hf_ms:.1f} ms ({hf_ms / raced['eager_ms'] - 1:+.1%} over eager)"
+                if hf_ms and raced.get("eager_ms") else "")
+        out += [f"transformers offload (every layer, `save_on_cpu`): {r.get('missing') or _mb(r.get('peak_bytes')) + ' MB' + step}"
                 for r in off if r.get("kind") == "contender"] + [""]
         out += ["| budget | x per-layer | plan | peak MB | predicted MB | fits | offloaded | step ms | predicted ms "
                 "| grads bitwise | plan s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
