@@ -130,8 +130,8 @@ def test_partial_off_raises_the_capture_error():
 
 def test_under_autocast_the_casts_of_the_pieces_and_of_the_eager_code_are_counted():
     """Autocast's cache holds each parameter's bf16 cast: the pieces' casts come with their profiles, those only
-    the eager code takes (embed's and head's here) are resident. Without them the plan measured 17 % over its
-    prediction, and over its budget."""
+    the eager code takes (embed's and head's here) are resident. Without them the prediction was 17 % under the
+    measured peak, which was over the budget."""
     torch.manual_seed(0)
     model, x = Branchy(d=256), torch.randn(512, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
