@@ -119,17 +119,23 @@ def llama(s: dict, device, dtype) -> tuple[Any, dict]:
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
+def hf_has_offload(model) -> bool:
+    """Whether this transformers' activation checkpointing has its own `offload` option (5.24 on)."""
+    fn = getattr(model, "activation_checkpointing_enable", None)
+    return fn is not None and "offload" in inspect.signature(fn).parameters
+
+
 def hf_every(model, n: int, offload: bool = False):
     """A copy of `model` under transformers' own checkpointing at every_n_layers=n (None where this
-    transformers has no such knob). Where it has no offload option, offload is what later transformers do
-    (5.24): per-layer checkpointing with each checkpoint call inside `save_on_cpu(pin_memory=True)`."""
+    transformers has no such knob). Where it has no offload option, offload is built as 5.24 builds it:
+    per-layer checkpointing with each checkpoint call inside `torch.autograd.graph.save_on_cpu(pin_memory=True)`,
+    so the layer inputs a recompute needs wait in pinned host memory."""
     import copy
 
-    fn = getattr(model, "activation_checkpointing_enable", None)
-    if offload and (fn is None or "offload" not in inspect.signature(fn).parameters):
-        return _hf_offload_as_later(model)
+    import torch
+
     m = copy.deepcopy(model)
-    if fn is not None:
+    if getattr(model, "activation_checkpointing_enable", None) is not None and (hf_has_offload(model) or not offload):
         kwargs = {"offload": True} if offload else {}
         m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n,
                                           **kwargs)
@@ -138,40 +144,21 @@ def hf_every(model, n: int, offload: bool = False):
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
-        return m.train() if n == 1 and m.gradient_checkpointing_enable() is None else None
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i % n == 0
-    return m.train()
-
-
-def _hf_offload_as_later(model):
-    """transformers' offload option as 5.24 builds it, for a transformers without it: every layer checkpointed
-    (non-reentrant), its checkpoint call inside `torch.autograd.graph.save_on_cpu(pin_memory=True)`, so the
-    layer inputs a recompute needs wait in pinned host memory. None where the layers cannot be reached."""
-    import copy
-
-    import torch
-
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
+        return m.train() if n == 1 and not offload and m.gradient_checkpointing_enable() is None else None
     device_type = next(model.parameters()).device.type
 
     def offloaded(function, *args, **kwargs):
         with torch.autograd.graph.save_on_cpu(pin_memory=True, device_type=device_type):
             return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
-    m = copy.deepcopy(model)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
-    if not layers:
+    if offload and not layers:
         return None
-    for layer in layers:
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = offloaded
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % n == 0
+        if offload:
+            layer._gradient_checkpointing_func = offloaded
     return m.train()
 
 
@@ -444,8 +431,8 @@ def section_frontier(sizes: dict, dry: bool, emit, log) -> None:
         if m is None:
             emit({"kind": "contender", "name": f"hf {n}", "missing": "not in this transformers"})
             continue
-        own = "offload" in inspect.signature(getattr(model, "activation_checkpointing_enable", lambda: None)).parameters
-        name = (f"hf offload (every layer{'' if own else ', built as transformers 5.24 builds it'})" if n == "offload"
+        name = (f"hf offload (every layer{'' if hf_has_offload(model) else ', built as transformers 5.24 builds it'})"
+                if n == "offload"
                 else f"hf every_n_layers={n}")
         peak, grads = peak_of(m, m, inputs, device)
         twin_m = hf_every(model, 1, offload=True) if n == "offload" else hf_every(model, n)
@@ -703,12 +690,12 @@ def section_zoo(sizes: dict, dry: bool, emit, log) -> None:
                     partial = False
                 except CaptureError as e:  # planned in parts, as optimize() does: its prediction is an upper bound
                     planner, partial = PartialPlanner(model, inputs, reason=str(e).splitlines()[0]), True
-                row = {**run_case(planner, model, inputs, "auto", 0.5), "partial": partial}
-                # a peak under its prediction, or well over: which phase, from the same plan measured again
+                plans: list = []
+                row = {**run_case(planner, model, inputs, "auto", 0.5, plans=plans), "partial": partial}
+                # a peak under its prediction, or well over: which phase, the same plan measured again
                 error = row.get("prediction_error")
                 if error is not None and (dry or not -0.002 <= error <= 0.01):
-                    again = planner.plan(solver="auto", budget_bytes=row["budget_bytes"])
-                    row["phases"] = phase_peaks(again, model, inputs, device)
+                    row["phases"] = phase_peaks(plans[0], model, inputs, device)
         except Exception as e:
             row = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                    "where": _where(3)}

@@ -392,9 +392,10 @@ class _Layout:
 
     Slots: the forward's nodes 0..n-1, then per backward step k = n-1..0 the nodes of the recomputes it
     triggers (outermost first) and the step itself. Categories: 0 activations, 1 recomputed, 2 act_grads,
-    3 param_grads, 4 the forward's casts of parameters (when the cache empties); temporaries are per slot. Kept nodes change only their own storages' intervals (they
-    stay from the forward, and their region's recompute does not make them again), so the bytes live
-    with none kept are summed once per plan."""
+    3 param_grads, 4 the forward's casts of parameters (where the cache empties, `solvers.casts`);
+    temporaries are per slot. Kept nodes change only their own storages' intervals (they stay from the
+    forward, and their region's recompute does not make them again), so the bytes live with none kept are
+    summed once per plan."""
 
     def __init__(self, problem: Problem, regions: tuple[tuple[int, int], ...]) -> None:
         a = problem.arrays  # kept by neither: the arrays keep the layout
@@ -589,7 +590,8 @@ class _Layout:
         covering = (self.starts <= at) & (self.ends > at)
         by_cat += [int(self.sizes[covering & (self.cats == c)].sum()) for c in range(5)]
         breakdown = {
-            "parameters": problem.param_bytes - self.cleared_casts + int(by_cat[4]), "inputs": problem.input_bytes, "optimizer": problem.optimizer_bytes,
+            "parameters": problem.param_bytes - self.cleared_casts + int(by_cat[4]),
+            "inputs": problem.input_bytes, "optimizer": problem.optimizer_bytes,
             "param_grads": int(by_cat[3]), "activations": int(by_cat[0]), "recomputed": int(by_cat[1]),
             "act_grads": int(by_cat[2]), "temporaries": int(self.temps[at]),
         }

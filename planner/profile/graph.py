@@ -177,9 +177,9 @@ class CostGraph:
             saved_overhead_s=self.saved_overhead_s,
             step_time_s=self.step_time_s,
             graph_overhead_s=self.graph_overhead_s,
-            # where each storage is found again as a node output when a plan offloads it (lower/offload.py)
             casts=self.casts,
             casts_cleared=self.casts_cleared,
+            # where each storage is found again as a node output when a plan offloads it (lower/offload.py)
             meta={STORAGE_OUTPUTS: tuple((self.nodes[s.producer].name, s.output) for s in self.storages)},
             **offload,
         )

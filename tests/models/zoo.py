@@ -235,6 +235,7 @@ def run_case(
     *,
     solver_options: dict[str, Any] | None = None,
     cache: dict | None = None,
+    plans: list | None = None,
 ) -> dict[str, Any]:
     """Plan `model` at `fraction` of its activation memory with `solver`, run one step, compare.
 
@@ -242,7 +243,8 @@ def run_case(
     verified) at the smallest budget the error names; `smallest_feasible` is False when that
     budget is refused too. A solver that refuses the problem's size (brute force) gives a row
     with `skipped` set. `cache` (a dict kept across calls for one model) reuses the measurement
-    of a plan with the same regions (spans, nesting and kept ops).
+    of a plan with the same regions (spans, nesting and kept ops). `plans`: where given, the plan made is
+    appended to it, for a caller that measures it further.
     """
     from ckpt_planner.errors import InfeasibleBudgetError
     from ckpt_planner.verification import verify
@@ -275,9 +277,13 @@ def run_case(
         if cache is not None:
             cache[key] = report
     measured = report.measured_peak_bytes
+    if plans is not None:
+        plans.append(plan)
     # Where the plan is not bitwise equal to the model, tell apart checkpointing from capture: a
-    # captured graph (no checkpointing) that itself rounds differently from eager is a capture defect.
-    same_as_graph = report.exact or _same_step(model, plan.module, planner.capture.graph_module, inputs)
+    # captured graph (no checkpointing) that itself rounds differently from eager is a capture defect. A model
+    # planned in parts has no one graph to run.
+    graph = getattr(planner, "capture", None)
+    same_as_graph = report.exact or (graph is not None and _same_step(model, plan.module, graph.graph_module, inputs))
     row.update(
         budget_bytes=plan.budget_bytes,
         baseline_bytes=plan.baseline_peak_bytes,

@@ -312,7 +312,6 @@ def test_a_storage_made_inside_its_op_is_never_offloaded():
     assert sealed.fingerprint() == problem.fingerprint()  # where a copy can start is not the graph's shape
 
 
-
 def test_auto_tries_the_recompute_plan_for_the_budget_plus_what_the_forward_can_copy():
     """mlp(12) at 20 B/s: its forward (12 s) moves 240 bytes to the host while compute hides the copies. dp's
     plan for the budget plus those bytes, offloaded down to the budget, recomputes 7 s; the looser budgets
