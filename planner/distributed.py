@@ -35,7 +35,7 @@ from .errors import InputError, PlanMismatchError, PlannerError
 from .settings import DistributedConfig
 from .solvers.problem import Problem
 
-__all__ = ["check_sharding", "shard_problem", "planning_is_collective", "plan_collectively"]
+__all__ = ["check_sharding", "shard_problem", "planning_is_collective", "plan_collectively", "checks_agreed"]
 
 _INSIDE = contextvars.ContextVar("ckpt_planner_collective", default=False)
 
@@ -133,17 +133,47 @@ def plan_collectively(
     if rank != 0:
         plan = load(json.loads(payload), "the plan rank 0 broadcast")
         module, inputs, _ = accept_exported(model, example_inputs)
+        token = _INSIDE.set(True)  # this rebuild's verdict is gathered below, not by the rebuild itself
         try:
             with ModelState(module).preserved():
                 plan.rebuild(module, inputs, check_step=False)  # rank 0 checked the step; one rank alone would wait on the others
         except Exception as e:  # noqa: BLE001 - raised on every rank below: one rank raising alone would hang the rest
             refused = f"rank {rank}: {type(e).__name__}: {e}"
+        finally:
+            _INSIDE.reset(token)
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, refused)
     bad = [v for v in verdicts if v]
     if bad:
         raise PlanMismatchError(f"the plan rank 0 made does not fit every rank's model: {'; '.join(bad)}")
     return plan
+
+
+def checks_agreed(check: Callable[[bool], Any]) -> Any:
+    """`check(leader)` on every rank of a running process group, and every rank learns every verdict: a
+    loaded plan refused on one rank is refused on all, and no rank runs it. `leader` is True on the one
+    rank that runs the checks a rank cannot make alone without the others waiting (rank 0: one training
+    step against the model's own); every rank makes the rest (its graph, its figures), which need no
+    collective. In one process (or inside collective planning, which gathers its own verdicts) `check(True)`
+    as it is. The rank that refused raises its own error; the others a PlanMismatchError naming it."""
+    if not planning_is_collective():
+        return check(True)
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result, error, refused = None, None, None
+    try:
+        result = check(rank == 0)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, or the rest would hang
+        error, refused = e, f"rank {rank}: {type(e).__name__}: {str(e)[:500]}"
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, refused)
+    if error is not None:
+        raise error
+    bad = [v for v in verdicts if v]
+    if bad:
+        raise PlanMismatchError(f"the loaded plan was refused on another rank, so on every rank: {'; '.join(bad)}")
+    return result
 
 
 def optimizer_state_bytes(model: torch.nn.Module, optimizer: Any) -> int:

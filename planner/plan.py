@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .distributed import checks_agreed
 from .errors import InputError, PlanFileError
 from .lower.offload import OffloadTarget
 from .plan_check import (
@@ -24,7 +25,6 @@ from .plan_check import (
     check_figures,
     matching_capture,
     refuse_knapsack,
-    several_ranks,
     step_checked,
 )
 from .plan_schema import check_plan, read_plan_file, write_file
@@ -329,33 +329,44 @@ class Plan:
         or, for a plan loaded from a file: when a figure it states differs from its re-derivation on this
         model (see `check_figures`), when it is predicted over its own budget, or when one training step
         of the module differs from the model's own (the safety net optimize() runs on every plan it
-        returns). `check_step=False` skips that step; None (the default) runs it except under a process
-        group of several ranks, where a step on one rank alone could wait forever on the others'
-        collectives (a broadcast plan was checked on the rank that made it).
+        returns). `check_step=False` skips that step; None (the default) runs it, under a process group of
+        several ranks on rank 0 alone (the model as given, before any wrapper's collectives); every rank
+        checks the graph and the figures, and every rank learns every verdict: no rank runs a plan one
+        refused (`distributed.checks_agreed`).
         """
         refuse_knapsack(self, "rebuild")
-        return self._rebuild(model, example_inputs, check_step=check_step)
+        return self._rebuild(model, example_inputs, check_step=check_step, eager=True)
 
-    def _rebuild(self, model: torch.nn.Module, example_inputs: Any, *, check_step: bool | None = None) -> torch.nn.Module:
+    def _rebuild(self, model: torch.nn.Module, example_inputs: Any, *, check_step: bool | None = None,
+                 eager: bool = False) -> torch.nn.Module:
+        """`rebuild` without its knapsack refusal. `eager`: the module runs as built, so a loaded plan is judged
+        on its eager prediction; False where the caller compiles it (`compile_saved_plan`), whose budget is
+        the compiled step's."""
         from .lower.rewrite import rewrite
 
         model = as_made_for(self, model, example_inputs)
-        cap = matching_capture(self, model, example_inputs)
-        loaded = self.problem is None
-        if loaded:
-            self.problem = check_figures(self, model, cap)
+        if self.problem is None:  # loaded: checked on every rank, the step on one, before anything is built
+            def check(leader: bool) -> tuple[Any, torch.nn.Module]:
+                cap = matching_capture(self, model, example_inputs)
+                self.problem = check_figures(self, model, cap, eager=eager)
+                module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
+                                 offload=self.offload_targets())
+                step_checked(self, model, module, cap, leader if check_step is None else check_step)
+                return cap, module
+
+            try:
+                cap, module = checks_agreed(check)
+            except BaseException:
+                self.problem = None  # refused: the next rebuild checks again
+                raise
         else:  # not profiled in this capture: which nodes draw random numbers, from one run
             from .capture.rng import observe_random
             from .capture.trace import flatten_for_graph
 
+            cap = matching_capture(self, model, example_inputs)
             observe_random(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs))
-        module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(), offload=self.offload_targets())
-        if loaded:
-            try:
-                step_checked(self, model, module, cap, check_step)
-            except BaseException:
-                self.problem = None  # refused: the next rebuild checks again
-                raise
+            module = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
+                             offload=self.offload_targets())
         self.module = module
         from .capture.shapes import ShapeGuard, input_shapes
 
@@ -368,9 +379,9 @@ class Plan:
         (`plan_check.check_figures`: PlanMismatchError naming a field that differs, or a plan over its budget)."""
         return check_figures(self, model, cap, rel_tol=rel_tol)
 
-    def check_budget(self, fixed_bytes: int = 0) -> None:
+    def check_budget(self, fixed_bytes: int = 0, *, device_type: str | None = None) -> None:
         """PlanMismatchError when this plan is predicted over its own `budget_bytes` (`plan_check.check_budget`)."""
-        check_budget(self, fixed_bytes)
+        check_budget(self, fixed_bytes, device_type=device_type)
 
     # -- in place ------------------------------------------------------------
     def apply(self, model: torch.nn.Module, example_inputs: Any = None, *, allow_over_budget: bool = False,
@@ -395,44 +406,62 @@ class Plan:
             raise InputError("plan.apply: this plan was made with outputs='loss' (the model returning its loss "
                              "alone), which checkpointing the model in place cannot give; use "
                              "plan.rebuild(model, example_inputs), whose module returns the loss alone")
-        check = None
         if self.problem is None and example_inputs is None:
-            self.check_budget()
+            checks_agreed(lambda leader: self.check_budget())
         elif self.problem is None:
-            cap = matching_capture(self, model, example_inputs)
-            self.problem = problem = check_figures(self, model, cap)
-            if self.measured_peak_bytes is not None or self.baseline_measured_peak_bytes is not None:
-                from .lower.rewrite import rewrite
-                from .verification import check_measured
+            def check(leader: bool) -> None:
+                cap = matching_capture(self, model, example_inputs)
+                self.problem = check_figures(self, model, cap)
+                if self.measured_peak_bytes is not None or self.baseline_measured_peak_bytes is not None:
+                    from .lower.rewrite import rewrite
+                    from .verification import check_measured
 
-                exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
-                                offload=self.offload_targets())
-                try:  # the figures are those of the plan's own regions (plan.module), measured again
+                    exact = rewrite(cap.graph_module, self.spans(), model=model, saved=self.saved_indices(),
+                                    offload=self.offload_targets())
+                    # the figures are those of the plan's own regions (plan.module), measured again
                     check_measured(self, model, exact, cap.args, cap.kwargs)
-                except BaseException:
-                    self.problem = None
-                    raise
-            if check_step is None:
-                check_step = not several_ranks()
+                paths = _module_paths(self, model, allow_over_budget)  # what apply_plan will checkpoint
+                if (leader if check_step is None else check_step) and paths:
+                    from .verification import check_loaded_step
 
-            def check(paths: list[str]) -> None:  # the module-level variant, on a copy: the model is untouched
-                from .verification import check_loaded_step
+                    # the module-level variant, on a copy: the model is untouched
+                    check_loaded_step(self, model, checkpointed_copy(model, paths), cap.args, cap.kwargs)
 
-                if check_step and paths:
-                    try:
-                        check_loaded_step(self, model, checkpointed_copy(model, paths), cap.args, cap.kwargs)
-                    except BaseException:
-                        if self.problem is problem:
-                            self.problem = None  # refused: the next apply checks again
-                        raise
-
-        return apply_plan(self, model, allow_over_budget=allow_over_budget, check=check)
+            try:
+                checks_agreed(check)
+            except BaseException:
+                self.problem = None  # refused: the next apply checks again
+                raise
+        return apply_plan(self, model, allow_over_budget=allow_over_budget)
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
         """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""
         from .lower.apply import remove_checkpointing
 
         return remove_checkpointing(model)
+
+
+class _Paths(Exception):
+    """The module paths apply_plan would checkpoint, raised from its `check` so that nothing is changed."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__("module paths")
+        self.paths = paths
+
+
+def _module_paths(plan: Plan, model: torch.nn.Module, allow_over_budget: bool) -> list[str]:
+    """The submodules `apply_plan` checkpoints for `plan` on `model` (its own errors as it raises them),
+    found without changing the model: the same choice runs again when the plan is applied."""
+    from .lower.apply import apply_plan
+
+    def stop(paths: list[str]) -> None:
+        raise _Paths(list(paths))
+
+    try:
+        apply_plan(plan, model, allow_over_budget=allow_over_budget, check=stop)
+    except _Paths as found:
+        return found.paths
+    return []
 
 
 def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, source: str) -> None:

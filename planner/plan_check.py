@@ -16,7 +16,7 @@ from .errors import CaptureError, InputError, PlanMismatchError
 from .plan_summary import fmt_bytes
 
 __all__ = ["FIGURE_TOLERANCE", "graph_fingerprint", "fingerprint_of", "refuse_knapsack", "as_made_for",
-           "matching_capture", "check_figures", "check_budget", "step_checked", "several_ranks"]
+           "matching_capture", "check_figures", "check_budget", "ranks_here", "step_checked", "several_ranks"]
 
 FIGURE_TOLERANCE = 0.01
 """How far (a fraction) a loaded plan's recorded peaks may be from their re-simulation on the model."""
@@ -150,7 +150,8 @@ def _as_planned(plan: Any, cap: Any) -> tuple[Any, str]:
     return cap, fingerprint_of(cap)
 
 
-def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE) -> Any:
+def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float = FIGURE_TOLERANCE,
+                  eager: bool = True) -> Any:
     """Re-profile `model` (captured as `cap`) and re-derive every figure this plan states; returns the Problem.
 
     Raises PlanMismatchError, naming the field, when one differs from its re-simulation by more than
@@ -160,7 +161,11 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
     planner changed since it was made. Then PlanMismatchError when the plan is predicted over its own
     budget (`check_budget`). Bytes are compared, not times (times are measured and vary; here they
     come from FLOPs). The optimizer state is taken from the file's breakdown (which optimizer the plan
-    assumed is not known here); sharding from its stats.
+    assumed is not known here). Sharding is this process's: a plan made for another number of ranks is
+    refused (`ranks_here`). Offloads are priced on this graph's storages: an entry's `bytes` that is not
+    its storage's, or offloads over the host budget, are refused (`_check_offload_bytes`). `eager`: the
+    plan runs as the eager module `rebuild` and `apply` give, judged on its eager prediction whatever the
+    file says about a compiled step (False only where the caller compiles it, `compile_saved_plan`).
     """
     import dataclasses
 
@@ -180,10 +185,8 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
         config = ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage, meta=cap.as_on_meta)
         cost = profile(cap, config, device=torch.device("meta") if cap.as_on_meta else None)
     problem = cost.to_problem(name=type(model).__name__)
-    dist = plan.stats.get("sharding") if isinstance(plan.stats.get("sharding"), dict) else {}
-    problem, _ = shard_problem(
-        problem, model, world_size=int(dist.get("world_size", 1)), sharding=dist.get("sharding")
-    )
+    world, sharding = ranks_here(plan)
+    problem, _ = shard_problem(problem, model, world_size=world, sharding=sharding)
     optimizer = plan.baseline_breakdown.get("optimizer", plan.breakdown.get("optimizer", 0))
     problem = dataclasses.replace(problem, optimizer_bytes=int(optimizer or 0))
     nodes = cost.nodes
@@ -197,6 +200,7 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
     if plan.offloaded:  # priced at the bandwidths it was planned at (they change no byte figure)
         info = plan.stats.get("offload") if isinstance(plan.stats.get("offload"), dict) else {}
         problem = _with_bandwidth(problem, info)
+        _check_offload_bytes(plan, problem)
     try:
         spans = normalize_regions(problem, plan.spans())
         plain = simulate(problem, ()).peak_bytes
@@ -216,17 +220,21 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
                 f"re-simulated on this model give {fmt_bytes(actual)} ({actual} bytes); the plan was edited "
                 "or the model or planner changed: re-plan with optimize() or `ckpt-planner plan`"
             )
-    check_budget(plan, problem.fixed_bytes)
+    check_budget(plan, problem.fixed_bytes, device_type=_device_type(model), eager=eager)
     return problem
 
 
-def check_budget(plan: Any, fixed_bytes: int = 0) -> None:
+def check_budget(plan: Any, fixed_bytes: int = 0, *, device_type: str | None = None, eager: bool = True) -> None:
     """PlanMismatchError when this plan is predicted over its own `budget_bytes`.
 
-    One exception, as optimize() makes them: autotune measured exactly these regions within the budget
-    (`stats.autotune`), and the prediction is over it by no more than the default safety margin of the
-    activation part (`fixed_bytes`: parameters, inputs, optimizer state). A compiled plan's budget is
-    its compiled step's measured peak, not the eager prediction: it is judged on that figure.
+    One exception, as optimize() makes them: the prediction is over the budget by no more than the
+    default safety margin of the activation part (`fixed_bytes`: parameters, inputs, optimizer state),
+    and the step's peak was measured within the budget on this kind of device (`device_type`), where
+    `verification.check_measured` measures it again before the plan is used. What the file says about
+    itself (a race record's `fits`, a measured peak on another device) grants nothing: a plan loaded
+    without a model to measure on gets no margin. A compiled plan's budget is its compiled step's
+    measured peak only where the caller compiles it (`eager=False`); `rebuild` and `apply` run the
+    eager module, judged on its eager prediction.
     """
     from .lower.apply import measured_fit
     from .settings import Budget
@@ -235,7 +243,7 @@ def check_budget(plan: Any, fixed_bytes: int = 0) -> None:
     if budget is None:
         return
     compiled = plan.stats.get("compiled")
-    if isinstance(compiled, dict):
+    if isinstance(compiled, dict) and not eager:
         measured = plan.measured_peak_bytes
         if measured is not None and measured > budget:
             raise PlanMismatchError(
@@ -244,14 +252,79 @@ def check_budget(plan: Any, fixed_bytes: int = 0) -> None:
             )
         return
     allowed = budget
-    if measured_fit(plan, plan.spans()):
+    if measured_fit(plan, plan.spans()) and _measured_here(plan, device_type):
         allowed += int(Budget().safety_margin * max(0, budget - fixed_bytes))
     if plan.predicted_peak_bytes > allowed:
+        compiled_note = (" (run eagerly: the file's compiled figures are not this module's)"
+                         if isinstance(compiled, dict) else "")
         raise PlanMismatchError(
             f"plan predicted_peak_bytes: {fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes} "
-            f"bytes) is over the plan's own budget_bytes {fmt_bytes(budget)} ({budget} bytes); a plan over "
-            "its budget is not applied: re-plan at this budget with optimize() or `ckpt-planner plan`"
+            f"bytes) is over the plan's own budget_bytes {fmt_bytes(budget)} ({budget} bytes){compiled_note}; "
+            "a plan over its budget is not applied: re-plan at this budget with optimize() or `ckpt-planner plan`"
         )
+
+
+def _measured_here(plan: Any, device_type: str | None) -> bool:
+    """Whether the plan's measured peak is within its budget and will be measured again on this model:
+    recorded on this kind of device (`stats.verify.device`), which `check_measured` re-measures."""
+    measured = plan.measured_peak_bytes
+    record = plan.stats.get("verify")
+    recorded_on = record.get("device") if isinstance(record, dict) else None
+    return (device_type is not None and device_type != "meta" and recorded_on == device_type
+            and measured is not None and measured <= plan.budget_bytes)
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    """The kind of device `model`'s parameters (else buffers) live on; cpu for a model with neither."""
+    tensor = next(iter([*model.parameters(), *model.buffers()]), None)
+    return tensor.device.type if tensor is not None else "cpu"
+
+
+def ranks_here(plan: Any) -> tuple[int, str | None]:
+    """(world size, sharding) to re-simulate `plan` at: the ranks this process runs, never the file's.
+
+    A plan made for N ranks (`stats.sharding`) counts parameters at 1/N under fsdp; re-simulated as
+    sharded in a process that is not, it would pass a budget its step does not keep. PlanMismatchError
+    when the file's world size is not this process group's (1 without one)."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    stated = plan.stats.get("sharding")
+    if not isinstance(stated, dict) or stated.get("sharding") is None:
+        return world, None
+    claimed = stated.get("world_size", 1)
+    if claimed != world:
+        raise PlanMismatchError(
+            f"plan stats.sharding: made for {str(stated.get('sharding'))[:20]} over {str(claimed)[:20]} ranks, but "
+            f"this process runs {world}; a plan is checked at the ranks it runs on: re-plan with optimize() "
+            "or `ckpt-planner plan` here"
+        )
+    return world, str(stated.get("sharding"))
+
+
+def _check_offload_bytes(plan: Any, problem: Any) -> None:
+    """Each offload entry's `bytes` is its storage's on this graph, and all of them fit the host budget the
+    file records and the host memory free now; PlanMismatchError naming the field otherwise."""
+    from .profile.copy_bandwidth import free_host_bytes
+
+    total = 0
+    for i, o in enumerate(plan.offloaded):
+        actual = int(problem.storages[o.storage].nbytes)
+        if o.nbytes != actual:
+            raise PlanMismatchError(
+                f"plan offloaded[{i}].bytes: the file says {o.nbytes} bytes but {o.node} output {o.output} is "
+                f"{actual} bytes on this model; re-plan with optimize() or `ckpt-planner plan`"
+            )
+        total += actual
+    info = plan.stats.get("offload") if isinstance(plan.stats.get("offload"), dict) else {}
+    host = info.get("host_budget_bytes")
+    limits = [("the plan's own stats.offload.host_budget_bytes", host if isinstance(host, int) else 0),
+              ("the host memory free now", free_host_bytes())]
+    for what, limit in limits:
+        if total > limit:
+            raise PlanMismatchError(
+                f"plan offloaded: {len(plan.offloaded)} activations copy {fmt_bytes(total)} ({total} bytes) to host "
+                f"memory, over {what} ({limit} bytes); re-plan with optimize() or `ckpt-planner plan`"
+            )
 
 
 def fingerprint_of(cap: Any) -> str:
