@@ -56,6 +56,8 @@ __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPl
 """How a plan becomes a compiled step: whole checkpoint regions, our knapsack inside the partitioner
 (planner/compile/knapsack.py), or both tried and the faster one that fits kept."""
 
+_MODEL_ITSELF = "plan.module is the model itself"  # lower/build.py's note on a plan with no regions
+
 
 class CompiledBudgetError(InfeasibleBudgetError):
     """No compiled plan tried measured within the budget; `smallest_bytes` is the least peak measured."""
@@ -174,7 +176,8 @@ class CompiledPlanner(BasePlanner):
         if key not in self._tried:
             cap = self.planner.capture
             t0 = time.perf_counter()
-            module = compile_plan_module(plan.module, **self.compile_options)
+            eager = self._graph_step() if plan.module is self.planner.model else plan.module
+            module = compile_plan_module(eager, **self.compile_options)
             measured = measure_compiled_step(
                 module, self.planner.model, cap.args, cap.kwargs, device=self.device,
                 extra_bytes=self.extra_bytes, loss_fn=self.loss_fn,
@@ -282,13 +285,18 @@ class CompiledPlanner(BasePlanner):
             raise InputError("lowering 'knapsack': the step with no checkpoint regions did not plan empty; "
                              "use lowering='regions'")
         if base.module is planner.model:
-            # The captured graph, not the model's own code: that may log or branch in Python (transformers'
-            # loss logs a warning once), which fullgraph compilation refuses, while the graph holds only ops.
-            cap = planner.capture
-            base.module = rewrite(cap.graph_module, [], model=planner.model)
-            guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
-            object.__setattr__(base.module, "shape_guard", guard)
+            base.module = self._graph_step()
         return base
+
+    def _graph_step(self) -> torch.nn.Module:
+        """The model's step with no regions, as the captured graph runs it: the model's own code may log or
+        branch in Python (transformers' loss logs a warning once), which fullgraph compilation refuses, while
+        the graph holds only its ops. Each call builds a fresh module (dynamo caches per code object)."""
+        planner, cap = self.planner, self.planner.capture
+        module = rewrite(cap.graph_module, [], model=planner.model)
+        guard = ShapeGuard(input_shapes(cap.args, cap.kwargs), "error", None, dynamic_dims=cap.dynamic_dims)
+        object.__setattr__(module, "shape_guard", guard)
+        return module
 
     def _knapsack_lowering(self, plan_args: dict[str, Any]) -> KnapsackLowering:
         if self._knapsack is None:
@@ -411,7 +419,12 @@ class CompiledPlanner(BasePlanner):
             notes.append(f"re-planned {len(tries) - 1}x at tighter budgets: the compiled step measured over the budget")
         if plan.saved_indices():
             notes.append("selective regions run as whole regions under torch.compile (their kept ops are recomputed)")
-        out.notes = tuple(plan.notes) + tuple(notes)
+        kept = tuple(plan.notes)
+        if plan.module is self.planner.model:  # compiled as its captured graph (_graph_step), not as the model
+            kept = tuple(n for n in kept if _MODEL_ITSELF not in n)
+            notes.append("no checkpoint regions: plan.module runs the model's captured graph compiled (the model's "
+                         "own code may log or branch in Python, which fullgraph compilation refuses)")
+        out.notes = kept + tuple(notes)
         return out
 
     def sweep(self, budgets: Sequence[int], **plan_args: Any) -> list[Plan | None]:
