@@ -95,6 +95,10 @@ def _model_options(p: argparse.ArgumentParser, *, budget: bool = True, optional:
                        help="count this optimizer's state in the budget (default none)")
 
 
+_CURVE_SOLVERS = ("comma-separated solvers for that curve (default: all registered but none, auto and bruteforce, "
+                  "and but ilp_offload where nothing can be offloaded)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars, no human-readable output")
@@ -113,7 +117,8 @@ _EPILOGS = {
               "--input labels=2,128:int64:0-8192 -o gpt.pt2\n"
               "  ckpt-planner plan gpt.pt2 --activation-budget 0.75 -o gpt-plan.json",
     "report": "example:\n  ckpt-planner report plan.json --bench bench.json -o report.html\n"
-              "  ckpt-planner report plan.json --format md -o report.md",
+              "  ckpt-planner report plan.json --format md -o report.md\n"
+              "  ckpt-planner report plan.json --model model.pt2 -o report.html   # with the memory/overhead curve",
 }
 
 
@@ -150,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lowering", choices=("best", "regions", "knapsack"), default="best",
                       help="with --compile: whole checkpoint regions, our knapsack inside compile's partitioner, "
                            "or best (both; the faster compiled step that fits)")
-    plan.add_argument("--curve-points", type=_count(0, 1000), default=8,
-                      help="budgets per solver for the report's memory/overhead curve (0: none; default 8)")
-    plan.add_argument("--curve-solvers", help="comma-separated solvers for that curve (default: all registered "
-                      "but none, auto and bruteforce)")
+    plan.add_argument("--curve-points", type=_count(0, 1000), default=0,
+                      help="budgets per solver for the report's memory/overhead curve, computed now and stored in "
+                           "the plan file (default 0: none; tens of solves, so `report --model` computes it instead)")
+    plan.add_argument("--curve-solvers", help=_CURVE_SOLVERS)
     plan.add_argument("-o", "--output", help="plan file to write (JSON)")
     _common(plan)
     plan.set_defaults(command="plan")
@@ -193,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("plan", help="plan file from `ckpt-planner plan`")
     report.add_argument("--bench", help="bench file from `ckpt-planner bench -o`")
     report.add_argument("--format", choices=["html", "md"], help="default: from the output's suffix, else html")
+    report.add_argument("--model", metavar="MODEL", help="the planned model (as for `plan`): computes the "
+                        "memory/overhead curve of a plan file that has none, with the plan's recorded inputs")
+    report.add_argument("--input", action="append", metavar="[NAME=]SHAPE[:DTYPE[:LOW-HIGH]]",
+                        help="with --model: the inputs, when not the plan's recorded ones (as for `plan`)")
+    report.add_argument("--inputs", metavar="FILE", help="with --model: a torch.save'd tensor, tuple or dict of tensors")
+    report.add_argument("--seed", type=_seed, default=0, help="seed for --input tensors (default 0)")
+    report.add_argument("--trust-pickle", action="store_true", help="allow a pickled --model (loading it runs code)")
+    report.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="with --model: where to profile")
+    report.add_argument("--curve-points", type=_count(0, 1000), default=8,
+                        help="with --model: budgets per solver for the curve (default 8)")
+    report.add_argument("--curve-solvers", help=_CURVE_SOLVERS)
     report.add_argument("-o", "--output", required=True, help="report file to write")
     _common(report)
     report.set_defaults(command="report")

@@ -301,7 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = _check_output(args.output, "output", args=args) if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
     model = loaded.model
-    with _bar(args, 2 + len(curve_solvers) + bool(args.verify), "planning") as bar:
+    with _bar(args, 2 + bool(curve_solvers) + bool(args.verify), "planning") as bar:
         budget = _budget_kwargs(args)
         early = {**budget, "solver": args.solver} if any(v is not None for v in budget.values()) and not args.compile else None
         planner = _planner(args, loaded, inputs, record, bar, feasible_for=early)
@@ -314,8 +314,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 plan, planner = _plan_inexact(args, loaded, inputs, planner)
             else:
                 plan = planner.plan(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
-        bar.set_description_str("timeline and memory/overhead curves")
-        plan.stats.update(plan_data(plan, planner.problem, curve_solvers, args.curve_points, tick=lambda: bar.update(1)))
+        # the timeline is two replays; the curves (asked for with --curve-points) are tens of solves
+        bar.set_description_str("memory/overhead curves" if curve_solvers else "memory timeline")
+        plan.stats.update(plan_data(plan, planner.problem, _curve_solvers(args, planner.problem), args.curve_points))
+        if curve_solvers:
+            bar.update(1)
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}
         ok, failure, verdict = True, "", ""
         if args.verify:
@@ -337,8 +340,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _curve_solvers(args: argparse.Namespace) -> list[str]:
-    """Solvers for the report's curve: --curve-solvers, else every registered one but the trivial and exhaustive."""
+def _curve_solvers(args: argparse.Namespace, problem: Any = None) -> list[str]:
+    """Solvers for the report's curve: --curve-solvers, else every registered one but the trivial and exhaustive,
+    and, for a `problem` that cannot offload (the CPU), but ilp_offload, whose plans there are ilp's."""
     from ..solvers.registry import SOLVERS, get_solver
 
     if not args.curve_points:
@@ -348,7 +352,8 @@ def _curve_solvers(args: argparse.Namespace) -> list[str]:
         for name in names:
             get_solver(name)
         return names
-    return [s for s in sorted(SOLVERS) if s not in ("none", "auto", "bruteforce")]
+    skip = ("none", "auto", "bruteforce") + (("ilp_offload",) if problem is not None and not problem.can_offload else ())
+    return [s for s in sorted(SOLVERS) if s not in skip]
 
 
 def _verify_into(plan, model, inputs) -> tuple[bool, str, str]:
@@ -467,7 +472,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     out = _check_output(args.output, "output", args=args)
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
-    plan = _load_plan(args.plan).to_dict()
+    loaded_plan = _load_plan(args.plan)
+    if not isinstance(loaded_plan.stats.get("curves"), dict):
+        _report_curves(args, loaded_plan)
+    plan = loaded_plan.to_dict()
     bench = None
     if args.bench:
         from .bench import load_bench_file
@@ -485,6 +493,35 @@ def cmd_report(args: argparse.Namespace) -> int:
         _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
     _say(args, f"report written to {out}")
     return EXIT_OK
+
+
+def _report_curves(args: argparse.Namespace, plan) -> None:
+    """The memory/overhead curves for a plan file that has none (`plan` no longer computes them on the way to
+    the plan): from MODEL (--model, with the plan's recorded inputs unless --input/--inputs), captured and
+    profiled as `plan` does; a plan made for another graph is refused. Without --model, a note says how."""
+    from ..errors import PlanMismatchError
+    from ..plan_check import fingerprint_of
+    from .report_data import curves_for
+
+    if args.model is None:
+        if args.curve_points:
+            _note(args, "the plan file has no memory/overhead curve; give the model (--model MODEL) to compute it")
+        return
+    solvers = _curve_solvers(args)
+    if not solvers:
+        return
+    recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
+    optimizer = (recorded or {}).get("optimizer", "none")
+    args.optimizer = optimizer if optimizer in ("adamw", "adam", "sgd", "sgd-momentum") else "none"
+    loaded, inputs, record = _model_and_inputs(args, recorded)
+    with _bar(args, 2, "report") as bar:
+        planner = _planner(args, loaded, inputs, record, bar)
+        if plan.fingerprint and fingerprint_of(planner.capture) != plan.fingerprint:
+            raise PlanMismatchError(f"model {args.model!r} is not the graph the plan file {args.plan!r} was made for; "
+                                    "give the model and inputs it was planned with")
+        with _stage(bar, "memory/overhead curves"):
+            plan.stats["curves"] = curves_for(plan, planner.problem, _curve_solvers(args, planner.problem),
+                                              args.curve_points)
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The report's data, computed at plan time and stored in `plan.stats` (see report.py): the predicted
-memory timeline of the step and every solver's memory/overhead curve, in the plan summary's own figures
+"""The report's data, stored in `plan.stats` (see report.py): the predicted memory timeline of the step
+(computed at plan time) and every solver's memory/overhead curve (computed when a report asks for it:
+`ckpt-planner report --model`, or `plan --curve-points N`), in the plan summary's own figures
 (the timeline's peak is the plan's predicted peak, the curve's overhead its predicted step over eager,
 and the plan's point lies on its solver's curve)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["timeline_data", "curve_data", "plan_data", "step_baseline", "step_overhead"]
+__all__ = ["timeline_data", "curve_data", "curves_for", "plan_data", "step_baseline", "step_overhead"]
 
 _MAX_POINTS = 1500
 
@@ -115,9 +116,24 @@ def step_overhead(problem: Any, recompute_s: float, has_regions: bool) -> float:
 def plan_data(
     plan: Any, problem: Any, curve_solvers: Sequence[str], points: int, *, tick: Callable[[], None] | None = None
 ) -> dict[str, Any]:
-    """What the report needs beyond the plan's own figures: `timeline` and `curves`, for plan.stats.
-    Every figure is the plan's own: the timeline's peak is its predicted peak, the star its predicted
-    step overhead, and that point is on its solver's curve."""
+    """What the report needs beyond the plan's own figures: `timeline`, and `curves` where `curve_solvers`
+    and `points` ask for them, for plan.stats. Every figure is the plan's own: the timeline's peak is its
+    predicted peak, the star its predicted step overhead, and that point is on its solver's curve."""
+    out: dict[str, Any] = {
+        "timeline": {"plan": timeline_data(problem, plan.spans(), plan.saved_indices(), plan.offloaded_storages()),
+                     "baseline": timeline_data(problem, ())},
+    }
+    if curve_solvers and points > 0:
+        out["curves"] = curves_for(plan, problem, curve_solvers, points, tick=tick)
+    return out
+
+
+def curves_for(
+    plan: Any, problem: Any, curve_solvers: Sequence[str], points: int, *, tick: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """`stats["curves"]`: every solver's memory/overhead curve on `problem`, with the plan's own point (its
+    predicted peak and overhead) marked and put on its solver's curve. Tens of solves on a model of a few
+    hundred nodes: computed when a report asks for it, not on the way to the plan."""
     forward = problem.total_time
     mark = {
         "solver": plan.solver,
@@ -133,13 +149,9 @@ def plan_data(
                  "this_plan": True}
         curves[plan.solver] = sorted([*curves[plan.solver], point], key=lambda p: p["peak_bytes"])
     return {
-        "timeline": {"plan": timeline_data(problem, plan.spans(), plan.saved_indices(), plan.offloaded_storages()),
-                     "baseline": timeline_data(problem, ())},
-        "curves": {
-            "solvers": curves,
-            "baseline": {"peak_bytes": plan.baseline_peak_bytes, "recompute_s": 0.0, "overhead": 0.0},
-            "plan": mark,
-            "forward_s": forward,
-            "overhead": "step" if plan.eager_step_s > 0 else "forward",
-        },
+        "solvers": curves,
+        "baseline": {"peak_bytes": plan.baseline_peak_bytes, "recompute_s": 0.0, "overhead": 0.0},
+        "plan": mark,
+        "forward_s": forward,
+        "overhead": "step" if plan.eager_step_s > 0 else "forward",
     }
