@@ -285,12 +285,13 @@ def ranks_here(plan: Any) -> tuple[int, str | None]:
 
     A plan made for N ranks (`stats.sharding`) counts parameters at 1/N under fsdp; re-simulated as
     sharded in a process that is not, it would pass a budget its step does not keep. PlanMismatchError
-    when the file's world size is not this process group's (1 without one)."""
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    when a sharded plan's world size is not this process group's (1 without one); a plan made unsharded
+    is re-simulated unsharded."""
     stated = plan.stats.get("sharding")
     if not isinstance(stated, dict) or stated.get("sharding") is None:
-        return world, None
+        return 1, None  # made for one rank's state, unscaled: as the user planned it, wherever it runs
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     claimed = stated.get("world_size", 1)
     if claimed != world:
         raise PlanMismatchError(
