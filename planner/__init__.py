@@ -41,6 +41,7 @@ _EXPORTS = {
     "InfeasibleBudgetError": "solvers.registry",
     "UnknownSolverError": "solvers.registry",
     "export_for_cli": "cli.export",
+    "calibrate": "integrations.calibrate",
 }
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "UnknownSolverError",
     "export_for_cli",
+    "calibrate",
 ]
 
 
@@ -97,6 +99,7 @@ if TYPE_CHECKING:
         ShapeError,
         UnplannableError,
     )
+    from .integrations.calibrate import calibrate
     from .plan import Plan
     from .profile.graph import CostGraph
     from .profile.profiler import ProfileConfig

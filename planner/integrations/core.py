@@ -26,12 +26,11 @@ inputs that exist at the forward's start counted in, as the plan counts them.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import inspect
 import logging
 import time
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +49,11 @@ from ..lower.inplace import (
 )
 from ..lower.rewrite import CheckpointedModule
 from ..profile.memory import LiveMemory
-from ..progress import logger
 from ..solvers.registry import InfeasibleBudgetError
+from .closed_loop import fit_loop, note_measured, plan_captured, replan_measured
 from .lengths import find_max_length, grown_to, sequence_length
+from .logs import _log
+from .loop import HELD, LoopStep, loop_prediction
 
 __all__ = ["FirstBatchPlanner", "Applied", "Measurement"]
 
@@ -122,28 +123,6 @@ def _by_name(inner: torch.nn.Module, names: list[str]) -> torch.nn.Module:
 def _needs_names(module: torch.nn.Module, inputs: dict[str, Any]) -> bool:
     params = inspect.signature(module.forward).parameters
     return any(name not in params or params[name].kind is inspect.Parameter.VAR_KEYWORD for name in inputs)
-
-
-@contextlib.contextmanager
-def through_bars() -> Iterator[None]:
-    """While a tqdm bar is shown, console log handlers write through `tqdm.write` (above the bar)."""
-    try:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-    except ImportError:
-        yield
-        return
-    if not list(getattr(tqdm, "_instances", ())):
-        yield
-        return
-    with logging_redirect_tqdm(loggers=[logging.root, logger]):
-        yield
-
-
-def _log(level: int, msg: str, *args: Any) -> None:
-    if logger.isEnabledFor(level):
-        with through_bars():
-            logger.log(level, "callback: " + msg, *args)
 
 
 def _mb(nbytes: float) -> str:
@@ -234,6 +213,19 @@ class FirstBatchPlanner:
         self._waiting: tuple[Any, ...] | None = None
         """(previous instance forward,) while the first-call wrapper is installed."""
         self._steps = 0
+        self.loop: LoopStep = HELD
+        """How the training loop runs the step against the captured one (the callbacks set theirs: loop.py)."""
+        self.correction = 0
+        """Bytes the measured step of the planned shape was over its prediction (negative: under), taken as
+        fixed bytes by the closed loop (closed_loop.py); 0 until it corrects."""
+        self.replans: list[str] = []
+        """The closed loop's log line for each planning it redid after a measurement."""
+        self._planning_inputs: dict[str, Any] | None = None
+        self._pending: tuple[int, int, int] | None = None
+        self._corrected = False
+        self._remeasure = False
+        self._planner: Any = None
+        """The Planner that captured and profiled the planned shape, kept for planning it again (closed_loop.py)."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -295,8 +287,6 @@ class FirstBatchPlanner:
 
     # -- planning -------------------------------------------------------------------------
     def _plan(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        from ..api import optimize
-
         inputs = _as_kwargs(module, args, kwargs)
         first = input_shapes((), inputs)
         seq = sequence_length(inputs)
@@ -313,9 +303,12 @@ class FirstBatchPlanner:
         _log(logging.INFO, "planning %s at %s (%s)", type(module).__name__, self.planned_shapes, why)
         t0 = time.perf_counter()
         self._root = _by_name(module, list(planning)) if _needs_names(module, planning) else module
-        with through_bars():
-            self.plan = optimize(self._root, planning, **self.optimize_kwargs)
+        self._planning_inputs = planning
+        budget = {k: v for k, v in self.optimize_kwargs.items() if k in ("budget_gb", "budget_bytes", "activation_budget")}
+        self.plan, line = fit_loop(self, plan_captured(self, **budget))
         self.planning_s = time.perf_counter() - t0
+        if line:
+            _log(logging.INFO, "%s", line)
 
     def _apply(self, module: torch.nn.Module) -> None:
         plan = self.plan
@@ -341,6 +334,12 @@ class FirstBatchPlanner:
             )
         else:
             self.application = self._whole_modules(module, reason)
+        predicted, delta = loop_prediction(plan, self.application, self.loop)
+        if delta or self.correction:  # the loop's step, as modelled and as measured (closed_loop.py)
+            self.application = dataclasses.replace(
+                self.application, predicted_peak_bytes=predicted + self.correction,
+                note=self.application.note + (f"; predicted for the loop's step ({self.loop.describe()})" if delta else "")
+                + (f"; corrected by {self.correction / 1e6:+.2f} MB measured at this shape" if self.correction else ""))
         over = plan.budget_bytes is not None and self.application.predicted_peak_bytes > plan.budget_bytes
         _log(
             logging.WARNING if over else logging.INFO,
@@ -399,8 +398,10 @@ class FirstBatchPlanner:
             return
         shapes = input_shapes((), _as_kwargs(module, args, kwargs, self._signature))
         larger = bool(self.measurements) and bool(shapes.larger_than(_largest(self.measurements)))
-        if self._steps != self.measure_step and not (self._steps > self.measure_step and larger):
+        again = self._remeasure and shapes == self.planned_shapes  # planned once more after a measurement
+        if self._steps != self.measure_step and not (self._steps > self.measure_step and larger) and not again:
             return
+        self._remeasure = self._remeasure and not again
         self._measuring = (self._steps, shapes)
         state = list(module.parameters()) + list(module.buffers())
         self._device = next((t.device for t in state), torch.device("cpu"))
@@ -417,6 +418,8 @@ class FirstBatchPlanner:
         """Call at the start of each training step (before its forward)."""
         if optimizer is not None:
             self._optimizer = optimizer
+        if self._pending is not None and self._target is not None:
+            replan_measured(self)  # between two steps: the last one measured the planned shape off
 
     def step_end(self) -> None:
         """Call after the step's backward, before the optimizer step."""
@@ -433,6 +436,7 @@ class FirstBatchPlanner:
             if peak is not None:
                 self.measurements.append(Measurement(step, shapes, peak))
                 self._log_measured(step, shapes, peak)
+                note_measured(self, step, shapes, peak)
         self._steps += 1
 
     def _log_measured(self, step: int, shapes: InputShapes, peak: int) -> None:
@@ -457,6 +461,7 @@ class FirstBatchPlanner:
             self._meter.__exit__(None, None, None)
             self._meter = None
         self._measuring = None
+        self._planner = self._planning_inputs = None
         target, self._target = self._target, None
         if target is None:
             return

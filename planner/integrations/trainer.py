@@ -18,11 +18,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .core import FirstBatchPlanner
 from .lengths import collators_of
+from .loop import LoopStep
 
 __all__ = ["TrainerPlanCallback"]
 
 _READ = ("plan", "application", "predicted_peak_bytes", "measured_peak_bytes", "measurements", "planned_shapes",
-         "planning_s")
+         "planning_s", "replans", "correction")
 
 
 class TrainerPlanCallback(TrainerCallback):
@@ -37,10 +38,18 @@ class TrainerPlanCallback(TrainerCallback):
     too). The Trainer's optimizer is counted unless `optimizer=` is given. After training: `.plan`,
     `.application`, `.predicted_peak_bytes`, `.measured_peak_bytes` (bytes, the longest batch
     measured), `.measurements`. At the end of training the model's own forward is put back.
+
+    The plan is made for the Trainer's step, not the one `optimize()` captures: `compute_loss` returns the
+    loss alone, so the logits go before the backward; with gradient accumulation the gradients live
+    through each step; under bf16/fp16 the backward runs outside autocast (planner/integrations/loop.py).
+    `loop=LoopStep(...)` says otherwise (a `compute_loss` that keeps the outputs). Where the longest batch
+    measures more than 3 % off its prediction, the plan is made once more between two steps with the
+    difference taken as fixed bytes (`.replans`: the log line of each).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, loop: LoopStep | None = None, **kwargs: Any) -> None:
         self.planner = FirstBatchPlanner(**kwargs)
+        self.loop = loop
 
     def __getattr__(self, name: str) -> Any:
         if name in _READ:
@@ -49,6 +58,8 @@ class TrainerPlanCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         processing = kwargs.get("processing_class")
+        self.planner.loop = self.loop or LoopStep(
+            outputs_dropped=True, accumulating=args.gradient_accumulation_steps > 1, backward_outside_autocast=True)
         self.planner.attach(
             model, optimizer, collators=collators_of(kwargs.get("train_dataloader")),
             tokenizers=(processing, getattr(processing, "tokenizer", None)),

@@ -1,0 +1,153 @@
+"""The callbacks' closed loop: the plan made for the loop's own step, then corrected by what it measured.
+
+Two corrections, each made between two training steps and never past the budget:
+
+1. On the first batch (`fit_loop`): the plan is made for the step `optimize()` captures, which holds
+   the model's outputs through the backward. The frameworks' loops do not (`loop.py`); the plan's own
+   Problem simulated as the loop runs it gives the difference, and the captured step is planned once
+   more for the budget moved by it, so the loop's step, not the captured one, is what fills the budget.
+2. After the planned shape is measured (`note_measured`, `replan_measured`): where the measured peak parts
+   from the prediction by more than 3 % either way, the difference is taken as fixed bytes (it does not
+   depend on what is recomputed) and the shape is planned once more for the budget less it; the next
+   step at the planned shape is measured again. One log line says what was measured, what changed and
+   why; the plan's notes carry it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..lower.apply import remove_checkpointing
+from ..lower.inplace import restore_forward
+from .calibrate import BUDGET_KEYS, THRESHOLD, preserved, replan_within
+from .logs import _log, through_bars
+from .loop import HELD, loop_prediction
+
+__all__ = ["fit_loop", "note_measured", "replan_measured"]
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+REQUEST_KEYS = ("budget_gb", "budget_bytes", "activation_budget", "solver", "solver_options", "safety_margin",
+                "on_larger_shape", "own_checkpointing", "autotune")
+"""optimize()'s keywords that `Planner.plan` takes; the others make the Planner (its Setup)."""
+
+
+def _reusable(kwargs: dict[str, Any]) -> bool:
+    """A Planner kept from one planning to the next (one capture and profile, several budgets) plans these
+    keywords as optimize() does; the others take optimize()'s own paths (compiled, inexact, loss alone,
+    in parts across ranks)."""
+    from ..distributed import planning_is_collective
+
+    return (not kwargs.get("compile") and kwargs.get("exact", True) and kwargs.get("world_size", 1) == 1
+            and kwargs.get("outputs", "all") == "all" and not planning_is_collective()
+            and not ({"progress", "exact_check"} & set(kwargs)))
+
+
+def plan_captured(planner: Any, **budget: Any) -> Any:
+    """The captured step at the planned shape planned for `budget` (optimize()'s budget keywords), the other
+    keywords as given. Where they allow it, one Planner captures and profiles once for every budget."""
+    from ..api import Planner, optimize
+    from ..errors import CaptureError
+    kwargs = {k: v for k, v in planner.optimize_kwargs.items() if k not in BUDGET_KEYS}
+    planner._inside = True  # the model's own code is captured; no step is measured meanwhile
+    try:
+        with preserved(planner._target), through_bars():
+            if planner._planner is None and _reusable(kwargs):
+                setup = {k: v for k, v in kwargs.items() if k not in REQUEST_KEYS}
+                request = {k: v for k, v in {**kwargs, **budget}.items() if k in REQUEST_KEYS}
+                try:
+                    planner._planner = Planner(planner._root, planner._planning_inputs, feasible_for=request, **setup)
+                except CaptureError:
+                    planner._planner = False  # optimize() plans it in parts
+            if planner._planner:
+                return planner._planner.plan(**{k: v for k, v in kwargs.items() if k in REQUEST_KEYS}, **budget)
+            return optimize(planner._root, planner._planning_inputs, **kwargs, **budget)
+    finally:
+        planner._inside = False
+
+
+def _make_plan(planner: Any, budget: int) -> Any:
+    return plan_captured(planner, budget_bytes=budget)
+
+
+def _predict(planner: Any) -> Any:
+    return lambda plan: loop_prediction(plan, None, planner.loop)[0]
+
+
+def fit_loop(planner: Any, plan: Any) -> tuple[Any, str]:
+    """The first plan, made again for the loop's step where it parts from the captured one by more than 3 %
+    of the budget. Returns (the plan, a line saying what was done; '' where nothing was)."""
+    if planner.loop == HELD or plan.budget_bytes is None:
+        return plan, ""
+    budget = int(plan.budget_bytes)
+    held = int(plan.predicted_peak_bytes)
+    ran, delta = loop_prediction(plan, None, planner.loop)
+    if abs(delta) <= THRESHOLD * budget:
+        return plan, ""
+    new, peak, target, why = replan_within(plan, budget, 0, lambda b: _make_plan(planner, b), _predict(planner))
+    line = (f"the loop's step ({planner.loop.describe()}) is {_mb(abs(delta))} "
+            f"{'lighter' if delta < 0 else 'heavier'} than the captured step's {_mb(held)} for this plan, "
+            f"{_mb(ran)}; ")
+    if new is plan:
+        line += f"kept the plan: {why}" if why else "kept the plan"
+    else:
+        line += (f"planned again for the captured step at {_mb(target)}: "
+                 f"{len(plan.regions)} -> {len(new.regions)} regions, the loop's step predicted {_mb(peak)} "
+                 f"(budget {_mb(budget)})")
+        new.budget_bytes = budget  # the user's budget, which the loop's step is planned to
+    new.notes = (*new.notes, line)
+    return new, line
+
+
+def note_measured(planner: Any, step: int, shapes: Any, peak: int) -> None:
+    """After a measured step: the planned shape parting from its prediction by more than 3 % starts one
+    more planning, at the next step's start."""
+    predicted = planner.predicted_peak_bytes
+    if shapes != planner.planned_shapes or planner._corrected or predicted is None or planner.plan.budget_bytes is None:
+        return
+    if abs(peak - predicted) > THRESHOLD * max(1, predicted):
+        planner._pending = (step, peak, predicted)
+
+
+def replan_measured(planner: Any) -> None:
+    """Plan once more with the fixed bytes corrected by the measured difference; apply the new plan."""
+    step, peak, predicted = planner._pending
+    planner._pending, planner._corrected = None, True
+    plan, budget = planner.plan, int(planner.plan.budget_bytes)
+    correction = planner.correction + (peak - predicted)
+    t0 = time.perf_counter()
+    restore_running(planner)
+    new, new_peak, target, why = replan_within(plan, budget, correction, lambda b: _make_plan(planner, b),
+                                               _predict(planner))
+    planner.planning_s = (planner.planning_s or 0.0) + time.perf_counter() - t0
+    off = f"{100 * (peak - predicted) / max(1, predicted):+.1f} %"
+    heavier = "heavier" if peak > predicted else "lighter"
+    line = (f"step {step} at {planner.planned_shapes}: measured peak {_mb(peak)}, predicted {_mb(predicted)} "
+            f"({off}, over the {100 * THRESHOLD:.0f} % the loop allows): the step is {_mb(abs(peak - predicted))} "
+            f"{heavier} than modelled, taken as fixed bytes; ")
+    if new is plan:
+        line += f"kept the plan ({why})" if why else "kept the plan"
+    else:
+        line += (f"planned again for the captured step at {_mb(target)} "
+                 f"in {time.perf_counter() - t0:.1f} s: {len(plan.regions)} -> {len(new.regions)} regions, "
+                 f"predicted {_mb(new_peak)} (budget {_mb(budget)}); the planned shape is measured again")
+        new.budget_bytes = budget
+        planner.plan = new
+        planner._remeasure = True
+    planner.correction = correction
+    planner.plan.notes = (*planner.plan.notes, line)
+    planner.replans.append(line)
+    _log(logging.WARNING if peak > budget else logging.INFO, "%s", line)
+    planner._apply(planner._target)
+
+
+def restore_running(planner: Any) -> None:
+    """The target's own forward and modules back, before it is planned again."""
+    restore_forward(planner._target)
+    if planner.application is not None and planner.application.kind == "modules":
+        remove_checkpointing(planner._target)

@@ -1,0 +1,143 @@
+"""The closed loop: the planned shape measured off its prediction by more than 3 % is planned once more.
+
+A small MLP whose output holds its logits (512 x 512 fp32, 1.0 MB) beside the loss trains 4 steps at one
+shape in a plain loop driving `FirstBatchPlanner` (the callbacks' framework-free part). The planner is
+told the loop holds the outputs through the backward, as `optimize()` captures the step:
+
+- the loop drops them (`loss = model(...)["loss"]`): the captured step is heavier than the real one, the
+  measured peak falls short of the prediction, and the planner plans once more with that much more room,
+  after which the measured peak is closer to the budget and within it;
+- the loop keeps a copy of the logits through the backward: the captured step is lighter than the real
+  one; a 15 % safety margin leaves the first step within the budget, and the planner plans once more
+  with that much less room before a later step could go over it.
+
+In both the losses are bitwise those of the model trained without the planner, and the log line says
+what was measured, what changed and why. Plan costs come from FLOPs, so plans do not depend on the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from ckpt_planner.integrations import FirstBatchPlanner
+from ckpt_planner.profile.profiler import ProfileConfig
+from torch import nn
+
+STEPS, ROWS, WIDTH, CLASSES = 4, 512, 256, 512
+PLAN = {"solver": "dp", "autotune": False, "check_step": False,
+        "profile_config": ProfileConfig(flop_times=True, count_flops=True)}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(12))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        logits = self.head(x)
+        return {"loss": nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(ROWS, WIDTH, generator=g), "y": torch.randint(0, CLASSES, (ROWS,), generator=g)}
+            for _ in range(STEPS)]
+
+
+def _train(step, planner: FirstBatchPlanner | None) -> tuple[list[torch.Tensor], Net]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if planner is not None:
+        planner.attach(model, opt)
+    losses = []
+    for batch in _batches():
+        if planner is not None:
+            planner.step_begin(model, opt)
+        losses.append(step(model, batch))
+        if planner is not None:
+            planner.step_end()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if planner is not None:
+        planner.close()
+    return losses, model
+
+
+def _drops_outputs(model: nn.Module, batch: dict) -> torch.Tensor:
+    loss = model(**batch)["loss"]
+    loss.backward()
+    return loss.detach()
+
+
+def _keeps_a_copy(model: nn.Module, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    copy = out["logits"].detach().clone()  # held through the backward: 1.0 MB the captured step never saw
+    out["loss"].backward()
+    del copy
+    return out["loss"].detach()
+
+
+def _same_training(step, planner: FirstBatchPlanner) -> None:
+    base, base_model = _train(step, None)
+    losses, model = _train(step, planner)
+    assert len(losses) == len(base) == STEPS
+    for a, b in zip(losses, base):
+        assert torch.equal(a, b)
+    for (name, p), q in zip(model.named_parameters(), base_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_captured_step_heavier_replans_once_and_uses_the_budget(caplog) -> None:
+    planner = FirstBatchPlanner(activation_budget=0.75, **PLAN)  # the loop is taken to hold the outputs
+    with caplog.at_level(logging.INFO, logger="ckpt_planner"):
+        _same_training(_drops_outputs, planner)
+    budget = planner.plan.budget_bytes
+    first, *later = planner.measurements
+    assert first.step == 1 and [m.step for m in later] == [2]  # measured, planned again, measured again
+    assert len(planner.replans) == 1 and planner.correction < 0
+    assert first.peak_bytes < 0.97 * budget  # the logits went before the backward: budget left unused
+    after = later[0].peak_bytes
+    assert first.peak_bytes < after <= budget and after >= 0.95 * budget
+    assert abs(after - planner.predicted_peak_bytes) <= 0.02 * after  # the corrected prediction holds
+    lines = [r.getMessage() for r in caplog.records if "taken as fixed bytes" in r.getMessage()]
+    assert len(lines) == 1 and "lighter than modelled" in lines[0] and "planned again" in lines[0]
+    assert lines[0].removeprefix("callback: ") in planner.plan.notes
+
+
+def test_captured_step_lighter_replans_before_it_exceeds_the_budget(caplog) -> None:
+    planner = FirstBatchPlanner(activation_budget=0.8, safety_margin=0.15, **PLAN)
+    with caplog.at_level(logging.INFO, logger="ckpt_planner"):
+        _same_training(_keeps_a_copy, planner)
+    budget = planner.plan.budget_bytes
+    first, *later = planner.measurements
+    assert len(planner.replans) == 1 and planner.correction > 0
+    assert first.peak_bytes > 1.03 * planner.plan.predicted_peak_bytes - planner.correction
+    assert all(m.peak_bytes <= budget for m in planner.measurements)
+    assert [m.step for m in later] == [2] and later[0].peak_bytes < first.peak_bytes
+    assert abs(later[0].peak_bytes - planner.predicted_peak_bytes) <= 0.02 * later[0].peak_bytes
+    lines = [r.getMessage() for r in caplog.records if "taken as fixed bytes" in r.getMessage()]
+    assert len(lines) == 1 and "heavier than modelled" in lines[0] and "planned again" in lines[0]
+
+
+def test_calibrate_plans_an_optimize_users_step_again() -> None:
+    from ckpt_planner import calibrate, optimize
+
+    torch.manual_seed(0)
+    model = Net()
+    batch = _batches()[0]
+    plan = optimize(model, batch, activation_budget=0.75, **PLAN)
+    rng = torch.get_rng_state()
+    new = calibrate(plan, model, batch, lambda m: _drops_outputs(m, batch), **PLAN)
+    assert torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in model.parameters())
+    record = new.stats["calibration"]
+    assert new is not plan and record["replanned"] and record["correction_bytes"] < 0
+    assert record["measured_bytes"] < record["measured_after_bytes"] <= plan.budget_bytes
+    assert "calibrated on the caller's step" in new.notes[-1]
+    with pytest.raises(ValueError, match="budget is the plan's own"):
+        calibrate(plan, model, batch, lambda m: None, budget_gb=1.0)
