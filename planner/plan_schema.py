@@ -32,7 +32,8 @@ from typing import Any
 
 from .errors import OutputError, PlanFileError
 
-__all__ = ["MAX_FILE_BYTES", "read_plan_file", "check_plan", "check_json_limits", "write_file", "not_a_file"]
+__all__ = ["MAX_FILE_BYTES", "read_plan_file", "read_bounded", "check_plan", "check_json_limits", "write_file",
+           "not_a_file"]
 
 MAX_FILE_BYTES = 256 << 20
 MAX_DEPTH = 32
@@ -297,6 +298,35 @@ def not_a_file(path: Path) -> str | None:
     except OSError as e:
         return f"unreadable ({e.strerror})"
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_bounded(path: str | os.PathLike, limit: int) -> bytes | None:
+    """At most `limit` bytes of the regular file at `path`, from one descriptor; None when it is missing,
+    unreadable, a link (not followed), not a regular file (a fifo's open does not wait), or larger than
+    `limit`, before or while it is read (a sparse 10 GiB file costs one fstat, not 10 GiB)."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks, size = [], 0
+        while size <= limit:  # bounded even if the file grows after fstat
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks) if size <= limit else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _new_file_mode() -> int:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, OutputError
+from ..plan_schema import read_bounded
 from .legacy import refresh_load_script
 from .outputs import digests, foreign_files, remove_written
 
@@ -44,6 +45,8 @@ __all__ = ["APPLIED_FORMAT", "Applied", "is_applied_folder", "write_applied", "l
 APPLIED_FORMAT = "ckpt-planner/applied"
 APPLIED_VERSION = 1
 _MODEL_FILES = {"pt2": "model.pt2", "pickle": "model.pt"}
+MAX_MANIFEST_BYTES = 16 << 20
+"""An apply manifest's size limit: it holds a few names and one digest per file written."""
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,12 @@ class Applied:
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest when it is one of ours (format key), else None."""
-    path = folder / "manifest.json"
-    if path.is_symlink() or not path.is_file():
+    raw = read_bounded(folder / "manifest.json", MAX_MANIFEST_BYTES)  # no link followed, nothing unbounded
+    if raw is None:
         return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSON, or a 5,000-digit number
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSON, or a 5,000-digit number
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == APPLIED_FORMAT else None
 
@@ -310,7 +313,6 @@ def load_applied(path: str | os.PathLike, *, trust_pickle: bool = False, trust_c
     if manifest is None:
         raise InputError(f"apply folder {str(folder)!r}: manifest.json is not a ckpt-planner apply manifest")
     loaded = _load_model(folder, manifest, trust_pickle=trust_pickle, trust_code=trust_code)
-    refresh_load_script(folder, manifest, _LOAD_PY)  # an earlier release's load.py imports paths that are gone
     try:
         state = torch.load(_inside(folder, "state_dict.pt", "file"), map_location="cpu", weights_only=True)
         inputs = torch.load(_inside(folder, "inputs.pt", "file"), map_location="cpu", weights_only=True)
@@ -323,6 +325,8 @@ def load_applied(path: str | os.PathLike, *, trust_pickle: bool = False, trust_c
     model.load_state_dict(state)
     plan = Plan.load(_inside(folder, "plan.json", "file"))
     module = plan.rebuild(model, inputs)
+    # loaded: only now is an earlier release's load.py (it imports paths that are gone) replaced
+    refresh_load_script(folder, manifest, _LOAD_PY)
     return Applied(module=module, model=model, plan=plan, example_inputs=inputs)
 
 

@@ -4,19 +4,21 @@ Plan files need nothing here: the schema reads every version (`plan_schema.py`),
 the flat layout of `planner/` rebuilds as it is. An apply folder's data (manifest, plan, state, inputs)
 loads as it is too. Its `load.py`, though, imports the module paths of the layout that wrote it
 (`ckpt_planner.loading`, `ckpt_planner.capture.capture`, `ckpt_planner.verify`), which are gone. So
-`load_applied` replaces a `load.py` that is byte for byte one an earlier apply wrote (never one a user
-edited) with today's, and records its digest. Today's imports only `ckpt_planner.cli.loading`, whose
-names stay put for it.
+`load_applied`, once the folder has loaded, replaces a `load.py` that is byte for
+byte one an earlier apply wrote (never one a user edited) with today's, and records its digest; each file
+keeps its mode, a link is never written through, and a folder that does not load is left as it was.
+Today's imports only `ckpt_planner.cli.loading`, whose names stay put for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..errors import OutputError
+from ..plan_schema import read_bounded, write_file
 
 __all__ = ["EARLIER_LOAD_SCRIPTS", "is_earlier_load_script", "refresh_load_script"]
 
@@ -28,34 +30,28 @@ EARLIER_LOAD_SCRIPTS = frozenset({
 """sha256 of each `load.py` an earlier `ckpt-planner apply` wrote."""
 
 
+MAX_LOAD_SCRIPT_BYTES = 64 << 10
+"""The most of a `load.py` read to compare it with the earlier ones (each is under 2 KiB)."""
+
+
 def is_earlier_load_script(data: bytes) -> bool:
     return hashlib.sha256(data).hexdigest() in EARLIER_LOAD_SCRIPTS
 
 
-def _replace_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in its folder: never half-written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def refresh_load_script(folder: Path, manifest: dict[str, Any], current: str) -> bool:
     """Replace `folder`'s load.py with `current` where an earlier apply wrote it unchanged; True if replaced.
-    A folder that cannot be written (read-only, another user's) loads all the same and is left as it is."""
+    Call it only after the folder has loaded. Each file keeps its mode; a link is neither read nor
+    written through. A folder that cannot be written (read-only, another user's) is left as it is."""
     script = folder / "load.py"
+    data = read_bounded(script, MAX_LOAD_SCRIPT_BYTES)  # a link, a fifo, a 10 GiB file: not an earlier script
+    if data is None or not is_earlier_load_script(data):
+        return False
     try:
-        if script.is_symlink() or not script.is_file() or not is_earlier_load_script(script.read_bytes()):
-            return False
-        _replace_text(script, current)
+        write_file(script, current, "load.py")
         written = manifest.get("written")
         if isinstance(written, dict) and "load.py" in written:
             written["load.py"] = hashlib.sha256(current.encode()).hexdigest()
-            _replace_text(folder / "manifest.json", json.dumps(manifest, indent=2))
-    except OSError:
+            write_file(folder / "manifest.json", json.dumps(manifest, indent=2), "manifest.json")
+    except OutputError:
         return False
     return True
