@@ -37,7 +37,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the allocator meter, without a
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from ckpt_planner.api import Planner  # noqa: E402
-from ckpt_planner.choose.cost_refit import learned  # noqa: E402
+from ckpt_planner.choose.race.refit import learned  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV, open_store  # noqa: E402
 from ckpt_planner.solvers import InfeasibleBudgetError, simulate  # noqa: E402

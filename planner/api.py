@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,14 +22,13 @@ from .capture.frozen import ValueGuard, frozen_values, stale_note
 from .capture.preflight import nothing_to_plan, refuse_grad_mode
 from .capture.trace import capture
 from .choose.assemble import plan_record
-from .choose.autotune import WHOLE_MODULES, autotuned, race_steps, steps_for
+from .choose.autotune import steps_for
 from .choose.base import BasePlanner
-from .choose.budget import check_feasible, plain_step_fits, within_device_limit
+from .choose.choice import budget_of, choose_solution, judges, planning_clock
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
-from .choose.safety_net import checked
-from .choose.solve import solve_budget
+from .choose.race.rules import WHOLE_MODULES
 from .distributed import optimizer_state_bytes, plan_collectively, planning_is_collective
 from .errors import CaptureError, InputError
 from .lower.build import lower_plan
@@ -39,11 +37,9 @@ from .lower.outputs import loss_outputs
 from .model_state import ModelState
 from .plan import Plan
 from .profile.bytes_pass import profile_for_planning
-from .profile.graph import CostGraph
 from .profile.profiler import ProfileConfig
 from .progress import logger, progress_enabled, stage
 from .settings import PlanRequest, Setup
-from .solvers.registry import InfeasibleBudgetError, get_solver
 
 __all__ = ["optimize", "plan_model", "Planner", "plan_compiled"]
 
@@ -81,14 +77,11 @@ def optimize(
     Called under torch.no_grad() or inference_mode() it raises UnplannableError (no training step to plan).
     Under torch.distributed, rank 0 plans and broadcasts (distributed.py). The model is left as it was found.
     """
-    if exact_check is not None:
-        warnings.warn("optimize: exact_check is now check_step", DeprecationWarning, stacklevel=2)
-        check_step = exact_check
     setup = Setup.of(
         device=device, optimizer=optimizer, capture_method=capture_method, profile_config=profile_config,
         partial=partial, exact=exact, check_step=check_step, world_size=world_size, sharding=sharding,
         compile=compile, lowering=lowering, outputs=outputs, host_budget_gb=host_budget_gb,
-        offload_bandwidth=offload_bandwidth,
+        offload_bandwidth=offload_bandwidth, exact_check=exact_check,
     )
     request = PlanRequest.of(
         budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget, solver=solver,
@@ -104,13 +97,10 @@ def plan_model(model: Any, example_inputs: Any, setup: Setup, request: PlanReque
     if planning_is_collective():  # torch.distributed: rank 0 plans, every rank runs its plan
         return plan_collectively(lambda: plan_model(model, example_inputs, setup, request), Plan.from_dict,
                                  model, example_inputs, request.on_larger_shape)
-    if setup.outputs == "loss" and isinstance(model, torch.nn.Module):  # the loss alone (lower/outputs.py)
-        model = loss_outputs(model, example_inputs)
     if not setup.exactness.exact:
         return plan_inexact(lambda exact: Planner(model, example_inputs, setup=inexact_setup(setup, exact)), request)[0]
     if setup.compile.enabled:
         return plan_compiled(model, example_inputs, setup, request)
-    get_solver(request.solve.solver)  # unknown names fail before any work
     try:
         planner = Planner(model, example_inputs, setup=setup, feasible_for=request if request.budget.given else None)
     except CaptureError as e:
@@ -133,16 +123,13 @@ class Planner(BasePlanner):
 
     def __init__(self, model: Any, example_inputs: Any = None, *, setup: Setup | None = None,
                  feasible_for: PlanRequest | Mapping[str, Any] | None = None, **keywords: Any) -> None:
-        if "exact_check" in keywords:
-            warnings.warn("Planner: exact_check is now check_step", DeprecationWarning, stacklevel=2)
-            keywords["check_step"] = keywords.pop("exact_check")
         setup = setup or Setup.of(**keywords)
         if isinstance(feasible_for, Mapping):
             feasible_for = PlanRequest.of(**feasible_for)
         started = time.perf_counter()
         refuse_grad_mode()
         model, example_inputs, exported = accept_exported(model, example_inputs)
-        if setup.outputs == "loss":
+        if setup.outputs == "loss":  # the loss alone (lower/outputs.py)
             model = loss_outputs(model, example_inputs)
         if exported and setup.capture_method == "auto":
             setup = dataclasses.replace(setup, capture_method="export")
@@ -162,18 +149,8 @@ class Planner(BasePlanner):
             if not setup.exactness.exact:  # token-wise groups run in chunks (lower/chunk.py)
                 cap, chunks = chunk_capture(cap)
             logger.info("capture: %s, %d graph nodes", cap.method, len(cap.graph_module.graph.nodes))
-
-            def judged(cost: CostGraph) -> Profiled:
-                return profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)
-
-            def check(cost: CostGraph) -> None:  # no plan meets the budget: refused before any timing
-                check_feasible(judged(cost), feasible_for)
-
-            def fits(cost: CostGraph) -> bool:  # else the plain step is never run (a stage-wise profile)
-                return plain_step_fits(judged(cost), feasible_for)
-
-            budgeted = feasible_for is not None
-            cost = profile_for_planning(model, cap, setup.profile, check if budgeted else None, fits if budgeted else None)
+            check, fits = judges(model, cap, setup, chunks, notes, feasible_for)  # on bytes, before any timing
+            cost = profile_for_planning(model, cap, setup.profile, check, fits)
         values = ValueGuard(frozen_values(model, cap.graph_module, cap.method))
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)
@@ -183,49 +160,14 @@ class Planner(BasePlanner):
 
     def plan_for(self, request: PlanRequest) -> Plan:
         """Solve one budget, check the plan's step against the model's, race the best plans, lower it."""
-        p, started = self.profiled, time.perf_counter()
+        p, clock = self.profiled, planning_clock(self.prepared_s)
         empty = nothing_to_plan(p.model, p.capture.graph_module, p.cost.total_saved_bytes)
         if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
             raise empty
-        get_solver(request.solve.solver)
         steps = steps_for(self.autotune if request.autotune is None else request.autotune, p.cost.time_source == "fitted")
-        keep = request.solve.own_checkpointing == "keep" and bool(p.own_regions)
-        budget, extra = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes), []
-        if budget is None and p.own_regions:
-            budget = p.baseline_peak_bytes
-            extra.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
-        budget, lowered = within_device_limit(budget, p.cost.device)
-        extra += lowered
-        shown = f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)"
-        with stage("solve", f"solver {request.solve.solver}, budget {shown}"):
-            try:
-                solution, notes = solve_budget(p, budget, request)
-            except InfeasibleBudgetError as e:
-                if not lowered:
-                    raise
-                raise InfeasibleBudgetError(e.budget_bytes, e.smallest_bytes, e.solver, p.problem.fixed_bytes,
-                                            detail=f"; {lowered[0]}, which no plan fits") from None
-        if p.check and (solution.regions or solution.offloaded or p.chunks):
-            with stage("check", "one step of the plan against the model's own"):
-                solution, notes = checked(p, solution, notes, budget, request)
-        offloads = bool(solution.offloaded)
-        if steps and budget is not None and (solution.regions or offloads) and not keep and p.real:
-            if request.autotune is None and self.autotune is None:  # the default race: at most the planning's time
-                planning_s = self.prepared_s + time.perf_counter() - started
-                # a racing plan's step is the plain one's and its recompute: the plain step's time alone would
-                # let the race run past the planning's time
-                step_s = p.problem.base_step_s + solution.recompute_time
-                held = race_steps(steps, planning_s, step_s)
-                if held < steps:
-                    notes = [*notes, f"autotune: held to {held} model steps of about {step_s:.2f} s, "
-                                     f"the {planning_s:.0f} s the planning before it took (autotune={steps} runs "
-                                     "them all)"]
-                steps = held
-            with stage("autotune", f"the best plans that fit, timed on the device, at most {steps} steps"):
-                solution, tuned = autotuned(p, solution, budget, request, steps)
-            notes = notes + tuned
-        logger.info("solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms", solution.solver,
-                    len(solution.regions), solution.peak_bytes / 1e6, solution.recompute_time * 1e3)
+        budget, extra, lowered = budget_of(p, request)
+        default_race = request.autotune is None and self.autotune is None  # held to the planning's time
+        solution, notes = choose_solution(p, request, budget, lowered, steps=steps, planning_s=clock if default_race else None)
         plan = plan_record(p, solution, notes, request, extra)
         lower_plan(plan, p.model, p.capture, chunked=bool(p.chunks), whole_modules=solution.stats.get(WHOLE_MODULES),
                    on_larger_shape=request.on_larger_shape, replan=self._replan(request), values=p.values)
@@ -262,6 +204,8 @@ def _plan_in_parts(model: Any, example_inputs: Any, setup: Setup, request: PlanR
     def replan(args: tuple, kwargs: dict[str, Any], again: PlanRequest) -> torch.nn.Module:
         return plan_model(model, _call_inputs(args, kwargs), setup, again).module
 
+    if setup.outputs == "loss" and isinstance(model, torch.nn.Module):  # the loss alone, as Planner plans it
+        model = loss_outputs(model, example_inputs)
     with ModelState(model).preserved():
         part = PartialPlanner(
             model, example_inputs, reason=reason, optimizer_bytes=optimizer_state_bytes(model, setup.optimizer),

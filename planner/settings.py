@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InputError
+from .solvers.registry import get_solver
 
 __all__ = [
     "Budget", "SolveConfig", "ExactnessConfig", "DistributedConfig", "CompileConfig", "OffloadConfig", "Setup",
@@ -109,6 +111,7 @@ class SolveConfig:
     regions and adds regions where the budget needs them."""
 
     def __post_init__(self) -> None:
+        get_solver(self.solver)  # an unknown name fails here, before any work, listing the valid ones
         if self.own_checkpointing not in OWN_CHECKPOINTING:
             raise InputError(f"own_checkpointing: {self.own_checkpointing!r} is not one of {', '.join(OWN_CHECKPOINTING)}")
         object.__setattr__(self, "options", dict(self.options or {}))
@@ -243,8 +246,12 @@ class Setup:
     def of(cls, *, device: Any = None, optimizer: Any = None, capture_method: str = "auto", profile_config: Any = None,
            partial: bool = True, exact: bool = True, check_step: bool = True, world_size: int = 1,
            sharding: str | None = None, compile: bool = False, lowering: str = "best", outputs: str = "all",
-           host_budget_gb: float | None = None, offload_bandwidth: tuple[float, float] | None = None) -> Setup:
-        """From the keywords `optimize()` and `Planner()` take."""
+           host_budget_gb: float | None = None, offload_bandwidth: tuple[float, float] | None = None,
+           exact_check: bool | None = None) -> Setup:
+        """From the keywords `optimize()` and `Planner()` take (`exact_check`: check_step's former name)."""
+        if exact_check is not None:
+            warnings.warn("exact_check is now check_step", DeprecationWarning, stacklevel=3)
+            check_step = exact_check
         return cls(
             device=device, optimizer=optimizer, capture_method=capture_method, profile=profile_config, partial=partial,
             exactness=ExactnessConfig(exact=exact, check_step=check_step),

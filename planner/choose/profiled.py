@@ -26,7 +26,7 @@ from ..profile.timing_store import TimingStore, open_store
 from ..settings import Setup
 from ..solvers.problem import Problem
 from ..solvers.simulate import simulate
-from .cost_refit import learned
+from .race.refit import learned
 from .regions import laminar, per_block_regions
 
 __all__ = ["Profiled", "profiled", "EVAL_NOTE", "REFERENCE_TOLERANCE"]
@@ -176,7 +176,7 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
     note = offload_note(bandwidth, host)
     dist = setup.distributed
     problem, dist_notes = shard_problem(problem, model, world_size=dist.world_size, sharding=dist.sharding)
-    if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (cost_refit.py)
+    if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (race/refit.py)
         problem, fit = learned(problem, open_store(cost.device, (setup.profile or ProfileConfig()).timing_store))
         if fit is not None:
             dist_notes = [*dist_notes, (

@@ -1,5 +1,5 @@
 """Measured choice (planner/choose/autotune.py), the hand-written plans in the race
-(solvers/structured.py) and the cost model's refit from the clock (planner/choose/cost_refit.py).
+(solvers/structured.py) and the cost model's refit from the clock (planner/choose/race/refit.py).
 
 Measurements are injected (a function of each candidate's regions), so every assertion is about the
 choice rule, the step cap, the records and the store, never about this machine's clock."""
@@ -13,10 +13,11 @@ import pytest
 import torch
 from ckpt_planner import api, optimize
 from ckpt_planner.choose import autotune as at
-from ckpt_planner.choose import cost_refit as costfit
-from ckpt_planner.choose import safety_net
+from ckpt_planner.choose import choice, safety_net
+from ckpt_planner.choose.race import candidates as race_cands
+from ckpt_planner.choose.race import device, rules
+from ckpt_planner.choose.race import refit as costfit
 from ckpt_planner.errors import InputError
-from ckpt_planner.lower import apply as apply_mod
 from ckpt_planner.plan import Plan
 from ckpt_planner.profile.loss import default_loss
 from ckpt_planner.profile.timing_store import TimingStore
@@ -86,25 +87,25 @@ def test_no_blocks_no_hand_written_plans():
 # -- the choice rule, the cap ---------------------------------------------------------------------------
 
 
-def cand(label: str, extra: float, peak: int = 100) -> at.Candidate:
-    return at.Candidate(label, ((0, 1),), (), peak, extra)
+def cand(label: str, extra: float, peak: int = 100) -> rules.Candidate:
+    return rules.Candidate(label, ((0, 1),), (), peak, extra)
 
 
-def m(peak: int, *times: float) -> at.Measured:
-    return at.Measured(peak, tuple(times))
+def m(peak: int, *times: float) -> rules.Measured:
+    return rules.Measured(peak, tuple(times))
 
 
 def test_fastest_measured_within_the_budget_wins():
     cands = [cand("solver", 1.0), cand("every_2", 2.0), cand("dp", 3.0)]
     measured = [m(90, 1.5, 1.6), m(90, 1.1, 1.2), m(90, 1.3, 1.4)]
-    assert at.choose(cands, measured, budget=100, band=0.02) == 1
+    assert rules.choose(cands, measured, budget=100, band=0.02) == 1
 
 
 def test_a_candidate_over_the_budget_on_the_clock_loses_even_when_fastest():
     cands = [cand("solver", 1.0), cand("every_2", 2.0)]
     measured = [m(100, 1.5), m(101, 1.0)]
-    assert at.choose(cands, measured, budget=100, band=0.02) == 0
-    assert at.choose(cands, [m(101, 1.5), m(101, 1.0)], budget=100, band=0.02) is None
+    assert rules.choose(cands, measured, budget=100, band=0.02) == 0
+    assert rules.choose(cands, [m(101, 1.5), m(101, 1.0)], budget=100, band=0.02) is None
 
 
 def test_a_prediction_inside_the_margin_takes_part_its_measurement_decides():
@@ -112,17 +113,16 @@ def test_a_prediction_inside_the_margin_takes_part_its_measurement_decides():
     every_2 = next(p for p in every_n_plans(problem) if p.name == "every_2")
     budget = simulate(problem, every_2.regions).peak_bytes  # every_2's prediction is exactly the budget
     inner = budget - 40  # the solvers plan for less: every_2 sits inside the margin
-    solver = at._candidate(problem, "solver", solve(problem, inner, "dp").regions, (), None)
-    picked = at.candidates(problem, solver, budget, inner, limit=100)
-    admit = budget + (budget - inner)  # over the budget by less than the margin takes part too
-    expected = {(p.regions, p.saved) for p in structured_plans(problem, inner)
-                if simulate(problem, p.regions, saved=p.saved).peak_bytes <= admit} - {(solver.regions, solver.saved)}
+    solver = race_cands.candidate(problem, "solver", solve(problem, inner, "dp").regions, (), None)
+    picked = race_cands.candidates(problem, solver, budget, inner, limit=100)
+    expected = {(p.regions, p.saved) for p in structured_plans(problem, inner)  # never one over the budget
+                if simulate(problem, p.regions, saved=p.saved).peak_bytes <= budget} - {(solver.regions, solver.saved)}
     assert picked[0] == solver
     assert {(c.regions, c.saved) for c in picked[1:]} == expected
     assert (every_2.regions, ()) in expected
 
 
-def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_applies(tmp_path):
+def test_a_plan_predicted_just_over_the_budget_never_races_whatever_it_would_measure(tmp_path):
     problem = blocks_problem(layers=6)
     every_2 = next(p for p in every_n_plans(problem) if p.name == "every_2")
     predicted = simulate(problem, every_2.regions).peak_bytes
@@ -138,28 +138,24 @@ def test_a_plan_predicted_just_over_the_budget_wins_on_its_measured_peak_and_app
     result, notes = at.autotune_solution(problem, solution, budget, inner, steps=30, key="k",
                                          store=TimingStore(tmp_path / "t.json"), measure=measure,
                                          differs=lambda r, s, m: False, learn=False)
-    assert tuple(result.regions) == every_2.regions and result.peak_bytes > budget
-    assert any("measured at" in n and "within it" in n for n in notes)
-    # Plan.apply takes the measurement too, for exactly the chosen regions and no others
-    plan = dataclasses.make_dataclass("P", ["stats"])(result.stats)
-    assert apply_mod.measured_fit(plan, every_2.regions)
-    assert not apply_mod.measured_fit(plan, every_2.regions[:-1])
-    assert not apply_mod.measured_fit(dataclasses.make_dataclass("P", ["stats"])({}), every_2.regions)
+    assert tuple(result.regions) != every_2.regions and result.peak_bytes <= budget
+    raced = [tuple(tuple(r) for r in c["regions"]) for c in result.stats["autotune"].get("candidates", [])]
+    assert every_2.regions not in raced
 
 
 def test_ties_within_the_noise_band_go_to_the_predicted_fastest():
     cands = [cand("slow-predicted", 3.0), cand("fast-predicted", 1.0), cand("mid", 2.0)]
     measured = [m(90, 1.00), m(90, 1.04), m(90, 1.30)]  # 4 % apart: a tie in a 5 % band
-    assert at.choose(cands, measured, budget=100, band=0.05) == 1
-    assert at.choose(cands, measured, budget=100, band=0.02) == 0  # outside a 2 % band the clock decides
+    assert rules.choose(cands, measured, budget=100, band=0.05) == 1
+    assert rules.choose(cands, measured, budget=100, band=0.02) == 0  # outside a 2 % band the clock decides
 
 
 def test_noise_band_is_the_rounds_spread_within_its_bounds():
     quiet = [m(1, 1.0, 1.0, 1.0, 1.0)]
     noisy = [m(1, 1.0, 2.0, 3.0, 4.0)]
-    assert at.noise_band(quiet, [1.0] * 4) == at.MIN_BAND
-    assert at.noise_band(noisy, [1.0] * 4) == at.MAX_BAND
-    assert at.noise_band(noisy, []) == at.MAX_BAND  # no plain-graph steps: the candidates' own spread
+    assert rules.noise_band(quiet, [1.0] * 4) == rules.MIN_BAND
+    assert rules.noise_band(noisy, [1.0] * 4) == rules.MAX_BAND
+    assert rules.noise_band(noisy, []) == rules.MAX_BAND  # no plain-graph steps: the candidates' own spread
 
 
 def test_noise_band_is_paired_so_a_load_on_the_whole_round_cancels():
@@ -167,9 +163,9 @@ def test_noise_band_is_paired_so_a_load_on_the_whole_round_cancels():
     # told apart, where the spread of each candidate's steps alone would call everything a tie
     load = [1.0, 1.6, 1.1, 2.0, 1.3]
     measured = [m(1, *[1.05 * x for x in load]), m(1, *[1.20 * x for x in load])]
-    assert at.noise_band(measured, load) == at.MIN_BAND
-    assert at.noise_band(measured, []) == at.MAX_BAND
-    assert at.choose([cand("a", 2.0), cand("b", 1.0)], measured, budget=100, band=at.MIN_BAND) == 0
+    assert rules.noise_band(measured, load) == rules.MIN_BAND
+    assert rules.noise_band(measured, []) == rules.MAX_BAND
+    assert rules.choose([cand("a", 2.0), cand("b", 1.0)], measured, budget=100, band=rules.MIN_BAND) == 0
 
 
 @pytest.mark.parametrize("cap", [0, 3, 7, 12, 30, 100])
@@ -181,34 +177,34 @@ def test_steps_never_exceed_the_cap(cap):
         return [m(1, *[1.0] * rounds) for _ in cands], [1.0] * rounds
 
     cands = [cand(f"c{k}", float(k)) for k in range(4)]
-    tuned = at.tune(cands, 10, measure, steps=cap)
+    tuned = rules.tune(cands, 10, measure, steps=cap)
     if calls:
         n, rounds = calls[0]
         model_steps = (n + 1) * (rounds + 1)  # a peak (or warm-up) step and one per round, plain graph included
-        assert tuned.record["steps"] == model_steps and model_steps + at.CHECK_STEPS <= cap
+        assert tuned.record["steps"] == model_steps and model_steps + rules.CHECK_STEPS <= cap
         assert n >= 2 and rounds >= 1
     else:
         assert tuned.index is None and "skipped" in tuned.record
-    assert at.schedule(4, 30) == (4, 3)  # the default: 4 candidates, 3 rounds, 20 steps + 2 for the check
+    assert rules.schedule(4, 30) == (4, 3)  # the default: 4 candidates, 3 rounds, 20 steps + 2 for the check
 
 
 def test_a_race_of_few_plans_gets_the_rounds_of_four_not_the_whole_cap():
-    assert at.schedule(2, 30) == (2, at.MAX_ROUNDS)
-    assert at.schedule(3, 30) == (3, at.MAX_ROUNDS)
-    assert at.schedule(2, 8) == (2, 1)  # a small cap still bounds it
+    assert rules.schedule(2, 30) == (2, rules.MAX_ROUNDS)
+    assert rules.schedule(3, 30) == (3, rules.MAX_ROUNDS)
+    assert rules.schedule(2, 8) == (2, 1)  # a small cap still bounds it
 
 
-def _kept_twin_field(step_s: float) -> tuple[Problem, at.Candidate, list[at.Candidate]]:
+def _kept_twin_field(step_s: float) -> tuple[Problem, rules.Candidate, list[rules.Candidate]]:
     """The solver's plan (the blocks, nothing kept), its twin that keeps one op inside (same checkpoint calls,
     2 s slower) and a plan with other calls, on a step of `step_s` seconds."""
     problem = dataclasses.replace(blocks_problem(layers=5), step_time_s=step_s)
     blocks = block_regions(problem)
     budget = simulate(problem, ()).peak_bytes  # everything fits: the field is decided by the calls and times
     kept = blocks[1][0] + 1  # a gelu (2 s) inside the second block
-    solver = at._candidate(problem, "solver", blocks, (kept,), None)
+    solver = race_cands.candidate(problem, "solver", blocks, (kept,), None)
     twin = ("dp", blocks, ())  # the same calls, recomputing the gelu: 2 s slower
     other = ("uniform", blocks[::2], ())
-    return problem, solver, at.candidates(problem, solver, budget, budget, [twin, other], hand_written=False)
+    return problem, solver, race_cands.candidates(problem, solver, budget, budget, [twin, other], hand_written=False)
 
 
 def test_a_tie_with_the_same_checkpoint_calls_is_not_raced():
@@ -222,19 +218,19 @@ def test_the_same_calls_predicted_apart_beyond_the_band_both_race():
 
 
 def test_the_default_race_costs_at_most_the_planning_before_it():
-    assert at.race_steps(30, planning_s=8.0, step_s=0.4) == 20  # the Quickstart: its 17 steps fit
-    assert at.race_steps(30, planning_s=20.0, step_s=2.0) == 10  # a 24-layer model: half the steps
-    assert at.race_steps(30, planning_s=100.0, step_s=0.1) == 30  # never beyond the cap
-    assert at.race_steps(30, planning_s=1.0, step_s=5.0) == 1  # one: a stored choice is still read back
-    assert at.race_steps(30, planning_s=1.0, step_s=0.0) == 30  # no step time known: the cap
-    assert at.race_steps(0, planning_s=100.0, step_s=0.1) == 0  # off stays off
-    n, rounds = at.schedule(3, at.race_steps(30, 20.0, 2.0))
-    assert (n + 1) * (rounds + 1) + at.CHECK_STEPS <= 10
+    assert rules.race_steps(30, planning_s=8.0, step_s=0.4) == 20  # the Quickstart: its 17 steps fit
+    assert rules.race_steps(30, planning_s=20.0, step_s=2.0) == 10  # a 24-layer model: half the steps
+    assert rules.race_steps(30, planning_s=100.0, step_s=0.1) == 30  # never beyond the cap
+    assert rules.race_steps(30, planning_s=1.0, step_s=5.0) == 1  # one: a stored choice is still read back
+    assert rules.race_steps(30, planning_s=1.0, step_s=0.0) == 30  # no step time known: the cap
+    assert rules.race_steps(0, planning_s=100.0, step_s=0.1) == 0  # off stays off
+    n, rounds = rules.schedule(3, rules.race_steps(30, 20.0, 2.0))
+    assert (n + 1) * (rounds + 1) + rules.CHECK_STEPS <= 10
 
 
 def test_steps_for_defaults():
     assert at.steps_for(None, clock=False) == 0
-    assert at.steps_for(True, clock=False) == at.AUTOTUNE_STEPS
+    assert at.steps_for(True, clock=False) == rules.AUTOTUNE_STEPS
     assert at.steps_for(False, clock=True) == 0
     assert at.steps_for(12, clock=False) == 12
     with pytest.raises(InputError, match="autotune"):
@@ -245,7 +241,7 @@ def test_steps_for_defaults():
 
 def test_steps_for_default_on_the_clock_unless_the_environment_says_off(monkeypatch):
     monkeypatch.delenv(at.AUTOTUNE_ENV, raising=False)
-    assert at.steps_for(None, clock=True) == at.AUTOTUNE_STEPS
+    assert at.steps_for(None, clock=True) == rules.AUTOTUNE_STEPS
     monkeypatch.setenv(at.AUTOTUNE_ENV, "off")
     assert at.steps_for(None, clock=True) == 0
 
@@ -292,7 +288,7 @@ def test_optimize_takes_the_fastest_on_the_clock_records_it_and_the_next_run_agr
     planner, budget = _budget(model, inputs)
     plan = planner.plan(budget_bytes=budget, autotune=True)
     rec = plan.stats["autotune"]
-    assert clock.calls == 1 and rec["steps"] <= at.AUTOTUNE_STEPS and not rec["from_store"]
+    assert clock.calls == 1 and rec["steps"] <= rules.AUTOTUNE_STEPS and not rec["from_store"]
     cands = rec["candidates"]
     assert len(cands) >= 2 and sum(c["chosen"] for c in cands) == 1
     winner = next(c for c in cands if c["chosen"])
@@ -326,15 +322,15 @@ def test_the_default_race_is_held_to_the_planning_time_and_says_so(store_dir, mo
         seen.append((steps, planning_s, step_s))
         return 12
 
-    monkeypatch.setattr(api, "race_steps", held)
+    monkeypatch.setattr(choice, "race_steps", held)
     model, inputs = mlp()
     planner = api.Planner(model, inputs, profile_config=ProfileConfig(warmup=0, repeats=1))
     base = planner.no_checkpoint_peak_bytes
     budget = int(planner.problem.fixed_bytes + 0.45 * (base - planner.problem.fixed_bytes))
     plan = planner.plan(budget_bytes=budget)
-    assert seen and seen[0][0] == at.AUTOTUNE_STEPS and seen[0][1] >= planner.prepared_s > 0
+    assert seen and seen[0][0] == rules.AUTOTUNE_STEPS and seen[0][1] >= planner.prepared_s > 0
     assert seen[0][2] > planner.problem.base_step_s  # counted at a racing plan's step: the plain one's and its recompute
-    assert clock.calls == 1 and plan.stats["autotune"]["steps"] + at.CHECK_STEPS <= 12
+    assert clock.calls == 1 and plan.stats["autotune"]["steps"] + rules.CHECK_STEPS <= 12
     assert any(n.startswith("autotune: held to 12 model steps") for n in plan.notes)
     seen.clear()
     planner.plan(budget_bytes=budget, autotune=True)  # asked for: the whole cap, not held
@@ -402,7 +398,7 @@ def test_a_whole_module_plan_runs_as_the_models_own_code_exactly_and_leaves_the_
     plan = planner.plan(budget_bytes=budget, autotune=True)
     rec = plan.stats["autotune"]
     assert rec["chosen"].endswith("(modules)"), rec["chosen"]
-    paths = plan.stats[at.WHOLE_MODULES]
+    paths = plan.stats[rules.WHOLE_MODULES]
     assert paths and all(p.startswith("blocks.") for p in paths)
     assert not isinstance(plan.module, torch.fx.GraphModule) and plan.graph_overhead_s == 0.0
     assert any("model's own code" in n for n in plan.notes)
@@ -424,7 +420,7 @@ def test_a_whole_module_plan_runs_as_the_models_own_code_exactly_and_leaves_the_
         plan.module(*[torch.cat([t, t]) for t in inputs])
     # the next run takes the same lowering from the store
     again = api.Planner(model, inputs).plan(budget_bytes=budget, autotune=True)
-    assert again.stats["autotune"]["from_store"] and again.stats[at.WHOLE_MODULES] == paths
+    assert again.stats["autotune"]["from_store"] and again.stats[rules.WHOLE_MODULES] == paths
 
 
 def test_autotune_false_and_meta_measure_nothing(store_dir, monkeypatch):
@@ -518,7 +514,7 @@ def test_rounds_teach_the_refit_only_when_quiet_enough(tmp_path, noisy):
     result, _ = at.autotune_solution(problem, solution, budget, budget, steps=30, key="k", store=store,
                                      measure=measure, differs=lambda r, s, m: False)
     rec = result.stats["autotune"]
-    assert len(rec["candidates"]) >= 2 and rec["band"] == (at.MAX_BAND if noisy else at.MIN_BAND)
+    assert len(rec["candidates"]) >= 2 and rec["band"] == (rules.MAX_BAND if noisy else rules.MIN_BAND)
     rows = (TimingStore(tmp_path / "t.json").get(costfit.TABLE, costfit.KEY) or {}).get("rows", [])
     assert (rows == []) == noisy
     if not noisy:  # every row says: measured extra = 2 x predicted
@@ -560,13 +556,13 @@ def test_a_candidate_whose_step_raises_is_dropped_from_the_race():
     def build(regions, saved, paths):
         return Raises() if paths else model
 
-    measure = at.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
+    measure = device.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
     cands = [cand("solver", 0.01, 10**6), dataclasses.replace(cand("whole modules", 0.0, 10**5), modules=("0",)),
              cand("other", 0.02, 10**6)]
     measured, base = measure(cands, 2)
     assert measured[1].failed.startswith("RuntimeError: one of the variables") and measured[1].times == ()
     assert all(m.failed is None and len(m.times) == 2 for k, m in enumerate(measured) if k != 1)
-    tuned = at.tune(cands, 10**9, measure, steps=20)
+    tuned = rules.tune(cands, 10**9, measure, steps=20)
     assert tuned.index in (0, 2) and tuned.record["chosen"] != "whole modules"
     entry = tuned.record["candidates"][1]
     assert entry["fits"] is False and entry["measured_step_s"] is None and "RuntimeError" in entry["failed"]
@@ -581,14 +577,14 @@ def test_a_plan_that_cannot_win_leaves_the_race():
     measured = [m(90, 1.00, 1.02), m(90, 1.10, 1.12),  # the leader, and one 10 % behind: a race still
                 m(90, 1.40, 1.45),  # 40 % behind on every round: out
                 m(101, 0.90, 0.90),  # fastest, but over the budget: out
-                at.Measured(0, (), "RuntimeError: boom")]  # its step raised: out
-    assert at.in_the_race(measured, base, budget=100) == {0, 1}
+                rules.Measured(0, (), "RuntimeError: boom")]  # its step raised: out
+    assert rules.in_the_race(measured, base, budget=100) == {0, 1}
     # a load slowed the whole second round but the second plan's step: paired with the plain graph's step of
     # the same round it is 8 % behind there, so it stays although its fastest step alone is 40 % behind
     loaded = [m(90, 1.00, 1.30), m(90, 1.40, 1.40)]
-    assert at.in_the_race(loaded, [1.0, 1.30], budget=100) == {0, 1}
-    assert at.in_the_race(loaded, [1.0, 1.0], budget=100) == {0}
-    assert at.in_the_race([m(101, 1.0)], [1.0], budget=100) == set()
+    assert rules.in_the_race(loaded, [1.0, 1.30], budget=100) == {0, 1}
+    assert rules.in_the_race(loaded, [1.0, 1.0], budget=100) == {0}
+    assert rules.in_the_race([m(101, 1.0)], [1.0], budget=100) == set()
 
 
 def test_the_device_race_stops_timing_what_left_and_ends_when_one_is_left():
@@ -599,7 +595,7 @@ def test_the_device_race_stops_timing_what_left_and_ends_when_one_is_left():
         built.append(regions)
         return model
 
-    measure = at.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
+    measure = device.device_measure(model, None, x if isinstance(x, tuple) else (x,), {}, torch.device("cpu"), build)
     cands = [cand("a", 1.0, 10**9), cand("b", 2.0, 10**9), cand("c", 3.0, 10**9)]
     seen = []
 
@@ -608,11 +604,11 @@ def test_the_device_race_stops_timing_what_left_and_ends_when_one_is_left():
         return {0, 1} if len(seen) == 1 else {0}
 
     measured, base = measure(cands, 5, drop_c)
-    assert seen == [[at.LEAVE_AFTER] * 3, [at.LEAVE_AFTER + 1, at.LEAVE_AFTER + 1, at.LEAVE_AFTER]]
-    assert [len(mm.times) for mm in measured] == [at.LEAVE_AFTER + 1, at.LEAVE_AFTER + 1, at.LEAVE_AFTER]
-    assert len(base) == at.LEAVE_AFTER + 1  # the race ended with one candidate left, two rounds early
+    assert seen == [[rules.LEAVE_AFTER] * 3, [rules.LEAVE_AFTER + 1, rules.LEAVE_AFTER + 1, rules.LEAVE_AFTER]]
+    assert [len(mm.times) for mm in measured] == [rules.LEAVE_AFTER + 1, rules.LEAVE_AFTER + 1, rules.LEAVE_AFTER]
+    assert len(base) == rules.LEAVE_AFTER + 1  # the race ended with one candidate left, two rounds early
     # 3 peak steps, the plain graph's warm-up, 3 + 3 + 2 candidate steps and 3 of the plain graph
-    assert at.model_steps(measured, base, warm_up=True) == 3 + 1 + 8 + 3
+    assert rules.model_steps(measured, base, warm_up=True) == 3 + 1 + 8 + 3
     full, full_base = measure(cands, 5, None)  # without racing, every round runs
     assert [len(mm.times) for mm in full] == [5, 5, 5] and len(full_base) == 5
-    assert at.model_steps(full, full_base, warm_up=True) == (3 + 1) * (5 + 1)
+    assert rules.model_steps(full, full_base, warm_up=True) == (3 + 1) * (5 + 1)

@@ -20,6 +20,8 @@ import torch.nn as nn
 from ckpt_planner import api
 from ckpt_planner.choose import autotune as at
 from ckpt_planner.choose.plan_store import kept_plan, plan_key
+from ckpt_planner.choose.race import candidates as race_cands
+from ckpt_planner.choose.race import stored
 from ckpt_planner.profile.timing_store import TimingStore
 from ckpt_planner.solvers import simulate, solve
 from torch.utils.checkpoint import checkpoint
@@ -75,10 +77,10 @@ def test_stored_choice_is_resimulated_against_the_budget():
     good = solve(problem, inner, "dp")
     record = {"budget_bytes": budget, "chosen": "dp plan", "candidates": []}
     entry = {"regions": [list(r) for r in good.regions], "saved": list(good.saved), "record": record}
-    assert at.stored_choice(problem, entry, budget, inner) is not None
+    assert stored.stored_choice(problem, entry, budget, inner) is not None
     over = {**entry, "regions": [[0, 0]], "saved": []}
     assert simulate(problem, [(0, 0)]).peak_bytes > budget
-    assert at.stored_choice(problem, over, budget, inner) is None
+    assert stored.stored_choice(problem, over, budget, inner) is None
 
 
 def test_the_stores_remembered_plan_is_rechecked_against_the_budget(tmp_path):
@@ -122,10 +124,10 @@ def test_a_stored_choice_of_another_solver_is_not_the_named_solvers():
     found = solve(problem, budget, "uniform")
     entry = {"regions": [list(r) for r in found.regions], "saved": list(found.saved),
              "record": {"budget_bytes": budget, "chosen": "uniform", "candidates": []}}
-    assert at.stored_choice(problem, entry, budget, budget) is not None
-    assert at.stored_choice(problem, entry, budget, budget, solver="dp") is None
+    assert stored.stored_choice(problem, entry, budget, budget) is not None
+    assert stored.stored_choice(problem, entry, budget, budget, solver="dp") is None
     entry["record"]["chosen"] = "dp at 1.00 MB"
-    assert at.stored_choice(problem, entry, budget, budget, solver="dp") is not None
+    assert stored.stored_choice(problem, entry, budget, budget, solver="dp") is not None
 
 
 # -- items 14 and 20: no whole-module maker is no crash -----------------------------------------------
@@ -136,8 +138,8 @@ def test_candidates_take_no_whole_module_maker_as_none(maker):
     problem = blocks_problem(layers=5)
     base = simulate(problem, ()).peak_bytes
     budget = int(problem.fixed_bytes + 0.6 * (base - problem.fixed_bytes))
-    chosen = at._candidate(problem, "solver", solve(problem, budget, "dp").regions, (), None)
-    picked = at.candidates(problem, chosen, budget, budget, modules=maker)
+    chosen = race_cands.candidate(problem, "solver", solve(problem, budget, "dp").regions, (), None)
+    picked = race_cands.candidates(problem, chosen, budget, budget, modules=maker)
     assert picked[0] == chosen and len(picked) >= 2 and not any(c.modules for c in picked)
 
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ..profile.timing_store import TimingStore
-from ..solvers.problem import Problem
+from ...profile.timing_store import TimingStore
+from ...solvers.problem import Problem
 
 __all__ = ["KEY", "MAX_ROWS", "Fit", "rows_of", "fit", "remember", "learned"]
 

@@ -1,0 +1,1 @@
+"""The measured race autotune runs: its rules, candidates, measuring, timing-store records and cost refit."""
