@@ -250,8 +250,8 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLL
 
 def _read_own(path: Path) -> str | None:
     """The file's text, read from one descriptor: None (with a warning) when it is not a regular file,
-    is larger than MAX_STORE_BYTES, another user owns it or others may write it, so its times could be
-    anyone's; None when it is missing or unreadable.
+    is larger than MAX_STORE_BYTES, another user owns it or its group or others may write it, so its
+    times could be anyone's; None when it is missing or unreadable.
 
     Opened without blocking (a fifo's open would wait for a writer forever) and without following a
     link, then judged by fstat on that descriptor before anything is read."""
@@ -275,8 +275,9 @@ def _read_own(path: Path) -> str | None:
         if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
             _warn_once(path, f"belongs to another user (uid {st.st_uid})")
             return None
-        if st.st_mode & stat.S_IWOTH:
-            _warn_once(path, "is writable by other users")
+        if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):  # a group member's times would be read as ours
+            who = "other users" if st.st_mode & stat.S_IWOTH else "its group"
+            _warn_once(path, f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})")
             return None
         chunks, size = [], 0
         while size <= MAX_STORE_BYTES:  # bounded even if the file grows after fstat
