@@ -188,7 +188,7 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
     )
     return Profiled(
         model=model, capture=capture, cost=cost, problem=problem, setup=setup, own_regions=laminar(problem, spans),
-        own_unplaced=unplaced, chunks=list(chunks or []), capture_notes=list(capture_notes or []),
+        own_unplaced=unplaced, chunks=list(chunks or []), capture_notes=[*(capture_notes or []), *cost.notes],
         dist_notes=list(dist_notes), bandwidth=bandwidth, offload_notes=[note] if note else [],
     )
 

@@ -109,6 +109,9 @@ class CostGraph:
     """Node spans profiled one at a time on real tensors (profile/stagewise.py): the plain step was never
     run, so whatever runs the model after profiling compares with the step checkpointed per block.
     Empty when the step was profiled whole (or on fake tensors alone)."""
+    notes: tuple[str, ...] = ()
+    """What the plan's notes should say about how the profile took its figures (sizes that depend on values:
+    profile/dynamic_shapes.py)."""
 
     @property
     def saved_bytes(self) -> list[int]:

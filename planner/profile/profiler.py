@@ -28,6 +28,7 @@ a real CPU step's; one dispatch mode counts storages and FLOPs together.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from ..lower.selective import PolicyCounter, try_policy_costs
 from ..model_state import rng_preserved
 from ..solvers.problem import Cast
 from .backward import measure_backward, with_backward_temps
+from .dynamic_shapes import RealValues, ValueSizes, size_notes, with_fake_mode
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, block_bytes, storage_key, tensor_block_bytes, warm_device_libraries
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
@@ -186,21 +188,34 @@ def _profile_fake(
     # On fake tensors a forward costs about as much as the rest of the profile: where the counts price
     # nothing, the recording run counts them too (lower/selective.py's counter, watching it).
     policy = None if ops_priced else PolicyCounter()
+    # Ops whose output size depends on values (a boolean-mask index in a masked loss): sized at their
+    # largest, or from the example's real values where no largest exists (dynamic_shapes.py).
+    no_values = "the meta device holds no values" if not all(_has_values(t) for t in (*flat, *real_state.values())) else ""
+    sizes = ValueSizes(no_values=no_values)
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    real = RealValues(gm, flat, real_state, params)
     # Swap parameters and buffers for fakes while the interpreter runs, then put them back.
     _swap_state(gm, fakes)
     try:
         prof = run_recording(gm, flat_fake, count_flops=config.count_flops, allocator=config.allocator,
-                             fake_mode=fake_mode, watch=policy)
+                             fake_mode=fake_mode, watch=policy, sizes=sizes, real=real)
+        prof.real = None  # the real values it computed (masks, labels): not held through the rest of the profile
         built = _build(gm, flat_fake, prof, None, method="flops", device=str(dev), config=config)
-        built = with_backward_temps(built, measure_backward(gm, prof, fake_mode))
+        built = with_backward_temps(built, measure_backward(gm, prof, with_fake_mode(fake_mode, sizes)))
+        if sizes.found:
+            built = dataclasses.replace(built, notes=(*built.notes, *size_notes(sizes.found, no_values)))
         if policy is None:
-            with fake_mode:
+            with fake_mode, sizes.replaying():
                 costs = try_policy_costs(gm, flat_fake, convert=meta_to_cpu)
         else:
             costs = (None, None) if policy.error is not None else (policy.bytes, policy.ops)
     finally:
         _swap_state(gm, real_state)
     return built, costs
+
+
+def _has_values(t: Any) -> bool:
+    return not isinstance(t, torch.Tensor) or t.device.type != "meta"
 
 
 def fake_profile(cap: Capture, config: ProfileConfig) -> tuple[CostGraph, Any]:

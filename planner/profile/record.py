@@ -35,7 +35,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
-from .memory import AllocatorMeter, LiveMemory, autocast_dtypes, fresh_autocast_cache, storage_key, tensor_block_bytes
+from .memory import (
+    AllocatorMeter,
+    LiveMemory,
+    as_eager_storage,
+    autocast_dtypes,
+    fresh_autocast_cache,
+    storage_key,
+    tensor_block_bytes,
+)
 
 __all__ = [
     "AutocastCasts", "CostProfiler", "FakeRecorder", "run_recording", "device_of", "fake_of", "meta_to_cpu",
@@ -72,6 +80,11 @@ class CostProfiler(fx.Interpreter):
         """The recording run's casts of parameters that autocast keeps in its cache (None outside autocast)."""
         self.watch: Any = None
         """A dispatch mode that watches the recording run (`run_recording`); its `node` is the running node's name."""
+        self.sizes: Any = None
+        """On fake tensors: the mode that sizes the ops whose output size depends on values (dynamic_shapes.py)."""
+        self.real: Any = None
+        """On fake tensors: the real values of nodes from the example inputs, where cheap (`RealValues.of`)."""
+        self.running: fx.Node | None = None
 
     def check_generators(self, following: str | None) -> None:
         """Close the generator watch of the node that ran last (its states against those before it) and
@@ -91,6 +104,19 @@ class CostProfiler(fx.Interpreter):
         if self.meta_to_cpu:
             args, kwargs = meta_to_cpu(args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def real_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The real value of `t`, a fake tensor the running node was handed by one of its input nodes; None
+        where that node has none (see `real`) or `t` is not such a tensor (one made inside the node)."""
+        n = self.running
+        if n is None or self.real is None:
+            return None
+        for a in n.all_input_nodes:
+            for i, leaf in enumerate(pytree.tree_leaves(self.env.get(a))):
+                if leaf is t:
+                    value = self.real.of(a)
+                    return None if value is None else pytree.tree_leaves(value)[i]
+        return None
 
     def _own_grad_fns(self, n: fx.Node, out: Any) -> None:
         """Attribute the autograd nodes this node's forward made (reachable, not yet owned) to it."""
@@ -129,16 +155,18 @@ class CostProfiler(fx.Interpreter):
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
-        for watcher in (self.seeded, self.watch, self.casts):
+        for watcher in (self.seeded, self.watch, self.casts, self.sizes):
             if watcher is not None:
                 watcher.node = n.name
+        self.running = n
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = super().run_node(n)
         except Exception as e:
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
         finally:
-            for watcher in (self.seeded, self.watch, self.casts):
+            self.running = None
+            for watcher in (self.seeded, self.watch, self.casts, self.sizes):
                 if watcher is not None:
                     watcher.node = None
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
@@ -149,13 +177,16 @@ class CostProfiler(fx.Interpreter):
 
 
 def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, allocator: bool, fake_mode=None,
-                  watch: TorchDispatchMode | None = None) -> CostProfiler:
+                  watch: TorchDispatchMode | None = None, sizes: Any = None, real: Any = None) -> CostProfiler:
     """The recording run (see the module docstring); `allocator`: meter the allocator too (real tensors).
     Marks the graph's random nodes as it goes (rng.mark_random).
 
     `watch`: a dispatch mode that sees every op the nodes call, as they call it (it is entered above the
     recorder, before any op is decomposed for its FLOPs), told the running node's name through `node`:
-    what another forward of the graph would count, counted in this one."""
+    what another forward of the graph would count, counted in this one.
+
+    `sizes` (fake tensors): the mode that sizes ops whose output size depends on values, entered directly
+    above the fake mode; `real`: what gives it the real values of nodes (dynamic_shapes.py)."""
     prof = CostProfiler(gm)
     prof.record = True
     prof.events = {}
@@ -167,6 +198,9 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             # One dispatch mode that counts storages and FLOPs: on fake tensors the
             # mode layers are most of the cost, and the figures are the same.
             stack.enter_context(fake_mode)
+            if sizes is not None:
+                prof.sizes, prof.real = stack.enter_context(sizes), real
+                sizes.values = prof.real_of if real is not None else None
             prof.seeded = stack.enter_context(SeededOps())
             prof.mem = FakeRecorder(count_flops=count_flops)
             prof.flops = prof.mem if count_flops else None
@@ -292,6 +326,7 @@ class FakeRecorder(LiveMemory):
                 self._nested = nested
             if out is not NotImplemented:
                 if not nested:
+                    out = as_eager_storage(func, args, out)
                     self._track_out(out)
                 return out
             _NO_DECOMPOSE.add(func)
@@ -299,6 +334,7 @@ class FakeRecorder(LiveMemory):
         if formula is not None:
             self.total_flops += op_flops(func._overloadpacket, formula, args, kwargs, out)
         if not self._nested:
+            out = as_eager_storage(func, args, out)
             self._track_out(out)
         return out
 
