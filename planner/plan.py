@@ -192,7 +192,8 @@ class Plan:
             exposed = info.get("exposed_copy_s")
             rows.append(("offloaded to host", f"{len(self.offloaded)} activations, {fmt_bytes(self.offloaded_bytes)}"
                          + (f"; exposed copy time {exposed * 1e3:.1f} ms predicted" if exposed is not None else "")))
-        rows += autotune_rows(self.stats)  # autotune's candidates, predicted and measured
+        # autotune's candidates, predicted (the step-time row's own figure) and measured (with its noise band)
+        rows += autotune_rows(self.stats, self.eager_step_s, self.graph_overhead_s, self.predicted_overhead)
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]

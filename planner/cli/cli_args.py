@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_count(1, 1 << 16), default=8)
     demo.add_argument("--seq", type=_count(1, 1 << 16), default=128)
     demo.add_argument("--layers", type=_count(1, 256), default=4)
+    demo.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
+                      help="race the best plans that fit for a few steps (default: on where node times are measured)")
     demo.add_argument("--json", action="store_true", help="machine-readable output")
     demo.add_argument("--quiet", action="store_true", help="accepted for symmetry; the summary is the output")
     demo.set_defaults(command="demo")

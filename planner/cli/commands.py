@@ -40,7 +40,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .examples import gpt_example
 
     model, inputs = gpt_example(batch=args.batch, seq=args.seq, layers=args.layers)
-    plan = optimize(model, inputs, activation_budget=args.fraction, solver=args.solver)
+    plan = optimize(model, inputs, activation_budget=args.fraction, solver=args.solver,
+                    autotune=getattr(args, "autotune", None))
     report = verify(model, plan, inputs)
     plan.measured_peak_bytes = report.measured_peak_bytes
     plan.baseline_measured_peak_bytes = report.baseline_measured_peak_bytes
@@ -49,12 +50,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
     else:
         _out(args, plan.summary())
-        _out(args, verdict_line(report))
+        _out(args, verdict_line(report, _race_band(plan)))
     return EXIT_OK if ok else EXIT_FAIL
 
 
-def verdict_line(report) -> str:
-    """One line: did the plan's step equal the model's, and did it stay within the budget (demo, plan --verify)."""
+def _race_band(plan) -> float | None:
+    """The autotune race's noise band (a fraction of a step), where it raced: the spread of paired steps on
+    this machine, the band a side-by-side step time measured here is read within."""
+    rec = plan.stats.get("autotune")
+    band = rec.get("band") if isinstance(rec, dict) and not rec.get("skipped") else None
+    return float(band) if isinstance(band, (int, float)) and not isinstance(band, bool) and band >= 0 else None
+
+
+def _measured_step(report, band: float | None) -> str:
+    """verify's step time, marked measured, with the noise band it is read within; never a bare negative."""
+    pct = report.step_time_ratio - 1.0
+    text = f"step time {100 * pct:+.1f} % over the model's own step, measured side by side (median of " \
+           "3 interleaved eager steps each"
+    if band is None:
+        return text + "; no noise band: no race ran)" + (" (below zero: noise, not a speed-up)" if pct < 0 else "")
+    text += f"), +/-{100 * band:.1f} % (the race's noise band)"
+    if pct < 0:
+        text += " (within the noise: no faster)" if -pct <= band else " (below by more than the noise band: the steps were not steady)"
+    return text
+
+
+def verdict_line(report, band: float | None = None) -> str:
+    """One line: did the plan's step equal the model's, and did it stay within the budget (demo, plan --verify).
+    `band`: the race's noise band, the step-time figure's."""
     return (
         f"verified: outputs {'equal' if report.outputs_equal else 'DIFFER'}, "
         f"gradients {'bitwise equal' if report.grads_equal else f'max diff {report.max_abs_grad_diff:.3g}'}, "
@@ -62,7 +85,7 @@ def verdict_line(report) -> str:
         f"measured peak {_fmt(report.measured_peak_bytes)} "
         f"({100 * report.prediction_error:+.1f} % predicted vs measured), "
         f"{'within' if report.within_budget else 'OVER'} the budget; "
-        f"step time x{report.step_time_ratio:.2f} of the model's own step, measured side by side (eager, not the captured graph)"
+        f"{_measured_step(report, band)}"
     )
 
 
@@ -368,7 +391,7 @@ def _verify_into(plan, model, inputs) -> tuple[bool, str, str]:
         problems.append(f"results differ from the original: {report.mismatch()}")
     if not report.within_budget:
         problems.append(f"measured peak {_fmt(report.measured_peak_bytes)} is over the budget {_fmt(report.budget_bytes)}")
-    return not problems, "; ".join(problems), verdict_line(report)
+    return not problems, "; ".join(problems), verdict_line(report, _race_band(plan))
 
 
 def _load_plan(path: str):
