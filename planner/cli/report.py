@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from .outputs import printable
 from .report_data import _downsample, curve_data, plan_data, step_overhead, timeline_data  # noqa: F401 - re-exported
 
 __all__ = [
@@ -181,7 +182,20 @@ def figures(plan: dict[str, Any], bench: dict[str, Any] | None = None) -> dict[s
     """
     plt = _pyplot()
     with plt.rc_context({"text.parse_math": False, "text.usetex": False}):
-        return _figures(plt, plan, bench)
+        # names drawn with their control characters escaped: a glyph the font lacks is named in a warning
+        # on the terminal, raw (an ESC there starts an escape sequence)
+        return _figures(plt, _printable_strings(plan), _printable_strings(bench))
+
+
+def _printable_strings(value: Any) -> Any:
+    """`value` (parsed JSON) with every string in it, keys too, passed through `outputs.printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_printable_strings(k): _printable_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable_strings(v) for v in value]
+    return value
 
 
 def _figures(plt: Any, plan: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, bytes]:
@@ -397,8 +411,6 @@ def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:
 def render(plan: dict[str, Any], bench: dict[str, Any] | None = None, *, fmt: str = "html") -> str:
     """The report page for a plan (the plan file's dict) and an optional bench file's dict; control
     characters in its names are written as visible escapes (a report is also read with `cat`)."""
-    from .outputs import printable
-
     return printable(_render(plan, bench, fmt))
 
 
