@@ -83,6 +83,17 @@ def pytest_runtest_protocol(item, nextitem):
         gc.unfreeze()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """The garbage the deferred collections above left is collected here, before a pytest-xdist worker reports
+    that it finished (xdist sends that after every sessionfinish hook). Left to pytest's own collection at
+    unconfigure, after the report, it took more than the 5 s execnet waits before it sends the worker a
+    SIGINT; the KeyboardInterrupt landed in a weakref callback the collection ran (torch's
+    WeakIdKeyDictionary) and ended the run with a PytestUnraisableExceptionWarning."""
+    gc.unfreeze()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def grad_mode_left_as_found():
     """A test that leaves autograd disabled (an error inside a no_grad region) would fail every test after
