@@ -16,6 +16,14 @@ stage runs forward and backward on real tensors from its inputs detached, as a c
 does, with only its own activations alive: the rest of the step is not held. Its outputs, detached,
 are what the next stages read; a value is dropped after the last stage that reads it.
 
+A stage's input is what a non-reentrant checkpoint region's input is in the planned step: a tensor
+made by an op, not a leaf, whose gradient goes back to its producer and is not kept. So an in-place op
+on it (`ReLU(inplace=True)` after BatchNorm, `y += x` on a residual, an MoE's `index_add_`) writes
+into its storage as in the step, with no copy the step would not make (a leaf asking for a gradient
+would refuse the write). A stage that writes into an input runs from the same values each time: the
+inputs it writes are put back before each of its runs after the first, and the next stages read them
+written once, as the step leaves them.
+
 Stages with the same structure (ops, shapes, dtypes, FLOPs, bytes, and where their inputs come from,
 position for position) are measured once: the others only run forward, for the values the next
 stages need, and take the first one's figures. A 32-layer model is measured in about the time of one
@@ -35,6 +43,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..capture.mutation import mutated_inputs, view_root
 from ..capture.rng import RANDOM_META, UNREPLAYABLE_META, SeededOps, generator_states, moved, rng_state_bytes
 from .graph import CostGraph
 from .memory import AllocatorMeter, LiveMemory
@@ -115,6 +124,22 @@ def _detached(value: Any) -> Any:
     return pytree.tree_map(one, value)
 
 
+class _StageInput(torch.autograd.Function):
+    """A stage's input as the stage reads it: the kept tensor itself (no copy), made the output of an
+    autograd node, as a region's input is in the step, so that in-place ops may write into it. Its
+    gradient stops here (the earlier stages are not held); `anchor` is a 0-d tensor asking for a
+    gradient, which makes the output ask for one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)  # the output is `x` itself, with this node as its history
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
 class _StageRunner:
     """Runs the graph's compute nodes span by span, keeping only the values later spans read."""
 
@@ -140,16 +165,61 @@ class _StageRunner:
                 if a in stage_of:
                     self.last_reader[a] = max(self.last_reader.get(a, -1), stage_of[n])
         self.outputs = set(output.all_input_nodes)
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.begins: set[Any] = set()  # the _StageInput nodes of the current run: no node's backward
 
     def nodes(self, span: Span) -> list[fx.Node]:
         return self.compute[span[0]: span[1] + 1]
 
+    def _input(self, value: Any) -> Any:
+        """A kept value as a stage reads it: each tensor asking for a gradient made a non-leaf alias."""
+        def one(t: Any) -> Any:
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                return t
+            x = _StageInput.apply(t.detach(), self.anchor)
+            self.begins.add(x.grad_fn)
+            return x
+
+        return pytree.tree_map(one, value)
+
     def _seeded(self, span: Span) -> list[fx.Node]:
-        """The span's nodes, with the interpreter's environment holding the kept values they read."""
+        """The span's nodes, with the interpreter's environment holding the kept values they read (an
+        earlier stage's outputs as non-leaf aliases; the graph's inputs, parameters and buffers as they are)."""
         nodes = self.nodes(span)
         inside = set(nodes)
-        self.interp.env = {a: self.values[a] for n in nodes for a in n.all_input_nodes if a not in inside}
+        self.begins.clear()
+        self.interp.env = {
+            a: self._input(self.values[a]) if a in self.last_reader else self.values[a]
+            for n in nodes for a in n.all_input_nodes if a not in inside
+        }
         return nodes
+
+    def written(self, span: Span) -> list[fx.Node]:
+        """The values from outside the span that its nodes write in place (directly or through views made
+        in the span), parameters and buffers aside: a BatchNorm's statistics are the profile's to restore."""
+        inside = set(self.nodes(span))
+        out: dict[fx.Node, None] = {}
+        for n in inside:
+            for a in mutated_inputs(self.gm, n):
+                while a in inside and view_root(a) is not a:  # a view made in the span: what it views
+                    a = a.args[0]
+                if a not in inside and a.op != "get_attr":
+                    out[a] = None
+        return list(out)
+
+    def snapshot(self, written: Sequence[fx.Node]) -> dict[fx.Node, Any]:
+        """Copies of the values a span writes in place, as they are before its first run."""
+        with torch.no_grad():
+            return {a: pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                                       self.values[a]) for a in written}
+
+    def restore(self, snapshot: dict[fx.Node, Any]) -> None:
+        """Put the values a span writes back as they were before its first run (into the same storage)."""
+        with torch.no_grad():
+            for a, saved in snapshot.items():
+                for t, s in zip(pytree.tree_leaves(self.values[a]), pytree.tree_leaves(saved)):
+                    if isinstance(t, torch.Tensor):
+                        t.copy_(s)
 
     def run(self, span: Span, meter: AllocatorMeter | None = None, grad_fns: bool = False) -> dict[fx.Node, Any]:
         """One forward of the span from the kept values; the span's own values, by node."""
@@ -161,6 +231,9 @@ class _StageRunner:
             self.interp.env[n] = out
             if grad_fns:
                 self.interp._own_grad_fns(n, out)
+        for fn in self.begins:  # a stage input's gradient is its producer's, in an earlier stage
+            self.interp.grad_fns.pop(fn, None)
+        self.begins.clear()
         env, self.interp.env = self.interp.env, {}
         return {n: env[n] for n in nodes}
 
@@ -178,6 +251,7 @@ class _StageRunner:
                     figures.random.add(n.name)
         figures.random |= seeded.random
         figures.unreplayable |= seeded.unreplayable
+        self.begins.clear()
         env, self.interp.env = self.interp.env, {}
         return {n: env[n] for n in nodes}
 
@@ -268,13 +342,18 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
                 continue
             first[key] = span
             figures.measured += 1
+            # runs after the first start from the values the first read, where the span writes into them
+            before = runner.snapshot(runner.written(span))
             runner.watched(span, figures)
             if timed:
                 for i in range(warmup + repeats):
                     if i == warmup:
                         for n in runner.nodes(span):
                             runner.interp.times.pop(n.name, None)
+                    runner.restore(before)
                     runner.run(span)
+            runner.restore(before)
+            del before  # not held through the metered run
             # One meter for the stage's forward and backward: every block it sees freed, it saw allocated
             # (what earlier runs left for the collector is collected first).
             gc.collect()
