@@ -12,7 +12,9 @@ The model is that of non-reentrant `torch.utils.checkpoint` with early stop:
   its forward up to the last node that saves something in R's context, and
   its saved storages stay until the backward of their last saving node.
 * A region that draws random numbers (`rng_state_bytes`) holds the generator state from its
-  checkpoint call to its backward, and a second one while its recompute runs.
+  checkpoint call in the forward (nested or not) to its backward, and a second one while its
+  recompute runs; a recompute that runs the start of a region nested in it calls that checkpoint
+  again, which holds one more state until the recompute ends.
 * Activation gradients live from the backward of their first consumer to
   the backward of their producer; parameter gradients stay once made.
 * Selective regions (`saved` nodes inside a region without nested regions;
@@ -202,26 +204,37 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
             events.append((phase, node, total))
 
     release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
-    # A region that draws random numbers saves the generator state when its forward starts (in
-    # its parent's context) and keeps it until its backward is done (bytes, keyed by start, ctx).
+    # A region that draws random numbers saves the generator state when its checkpoint call runs in the
+    # forward, nested or not, and keeps it until its backward is done (bytes, keyed by start).
     # Its recompute forks the generator (`torch.random.fork_rng`): one more state, held while it runs.
-    rng_at: dict[tuple[int, int], int] = {}
+    # A recompute calls the checkpoints of the regions inside it again: each saves one more state, held by
+    # that call's graph until the recompute ends (`transient`, keyed by (start, context)).
+    rng_at: dict[int, int] = {}
+    transient: dict[tuple[int, int], int] = {}
     rng_of = [max(nodes[i].rng_state_bytes for i in range(s, e + 1)) for s, e in regions]
     for r, (s, _e) in enumerate(regions):
         if rng_of[r]:
-            rng_at[(s, parents[r])] = rng_at.get((s, parents[r]), 0) + rng_of[r]
+            rng_at[s] = rng_at.get(s, 0) + rng_of[r]
+            q = parents[r]
+            while q >= 0:
+                transient[(s, q)] = transient.get((s, q), 0) + rng_of[r]
+                q = parents[q]
 
     def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str, casts_made=None) -> int:
         """Run nodes lo..hi in context ctx; kept storages are queued for their backward release.
         `casts_made`: node -> (bytes, release step or None) of the casts it makes again. Returns the
-        bytes of those held only by the cache, freed when the pass ends."""
+        bytes freed when the pass ends: those casts held only by the cache, and the generator states
+        of the nested checkpoint calls it made again."""
         free_at: list[list[int]] = [[] for _ in range(hi - lo + 1)]
         cached = 0
         for j in range(lo, hi + 1):
-            state = rng_at.get((j, ctx), 0)
+            state = rng_at.get(j, 0) if ctx == -1 else 0
             if state:
                 live[category] += state
                 release_at[j].append((state, category))
+            state = transient.get((j, ctx), 0)
+            live[category] += state
+            cached += state
             for nbytes, keep in (casts_made or {}).get(j, ()):
                 live[category] += nbytes
                 if keep is None:
@@ -344,6 +357,16 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
         breakdown=best["breakdown"],
         timeline=events,
     )
+
+
+def _ancestors(parents: np.ndarray, r: int) -> list[int]:
+    """The regions enclosing region r, innermost first."""
+    out = []
+    r = int(parents[r])
+    while r >= 0:
+        out.append(r)
+        r = int(parents[r])
+    return out
 
 
 def _ranges(starts, counts):
@@ -472,15 +495,17 @@ class _Layout:
         self.rerun_start[t[own]], self.rerun_end[t[own]] = start[own], end[own]
         if a.rng.any():
             rng = np.array([a.rng[s : e + 1].max() for s, e in regions], dtype=i64)
-            top = np.flatnonzero((par < 0) & (rng > 0))
-            parts.append((r_start[top], bslot[r_start[top]] + 1, rng[top], 0))
+            drawn = np.flatnonzero(rng > 0)  # each holds its forward's state until its backward
+            parts.append((r_start[drawn], bslot[r_start[drawn]] + 1, rng[drawn], 0))
             pos = np.full(R, -1, dtype=i64)
             pos[passes] = np.arange(len(passes))
-            child = np.flatnonzero((par >= 0) & (rng > 0))
-            child = child[pos[par[child]] >= 0]
-            child = child[r_start[child] <= p_stop[pos[par[child]]]]  # the parent's recompute reaches its start
-            q = pos[par[child]]
-            parts.append((p_base[q] + r_start[child] - p_s[q], np.where(r_start[child] <= p_k[q], bslot[r_start[child]] + 1, T), rng[child], 1))
+            # A recompute that reaches the start of a region inside it (any depth) calls its checkpoint
+            # again: one more state, until that recompute ends.
+            pairs = [(d, pos[q]) for d in drawn.tolist() for q in _ancestors(par, d) if pos[q] >= 0]
+            d, q = (np.array(v, dtype=i64) for v in zip(*pairs)) if pairs else (np.zeros(0, dtype=i64),) * 2
+            reached = r_start[d] <= p_stop[q]
+            d, q = d[reached], q[reached]
+            parts.append((p_base[q] + r_start[d] - p_s[q], p_base[q] + p_len[q], rng[d], 1))
             forked = np.flatnonzero(rng[passes] > 0)
             parts.append((p_base[forked], p_base[forked] + p_len[forked], rng[passes][forked], 1))
         self.cleared_casts = 0  # cast bytes taken out of the fixed memory: where they live is in the parts
