@@ -63,6 +63,7 @@ from ..solvers.problem import Cast, Node, Problem, Storage
 from ..solvers.simulate import simulate
 from .base import BasePlanner
 from .budget import within_device_limit
+from .choice import held_to_budget
 from .solve import solve_partial
 
 __all__ = ["Piece", "PartialPlanner", "find_pieces"]
@@ -330,7 +331,8 @@ class PartialPlanner(BasePlanner):
         budget, lowered = within_device_limit(budget, self.pieces[0].cost.device if self.pieces else "cpu")
         cfg = request.solve
         solution, notes = solve_partial(self.problem, budget, cfg.solver, dict(cfg.options), request.budget.safety_margin)
-        notes = [*lowered, *notes]
+        solution, gated = held_to_budget(self.problem, solution, budget)  # the gate every plan passes
+        notes = [*lowered, *notes, *gated]
         replan = None
         if self.replan is not None:
             again = request.replace(on_larger_shape="error", autotune=None)  # as Planner replans
