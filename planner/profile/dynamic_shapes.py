@@ -39,7 +39,7 @@ from ..capture.rng import uses_rng
 from ..errors import ProfileError
 from .record import meta_to_cpu
 
-__all__ = ["RealValues", "Sized", "ValueSizes", "size_notes", "with_fake_mode"]
+__all__ = ["RealValues", "Sized", "ValueSizes", "ExampleSizes", "example_notes", "size_notes", "with_fake_mode"]
 
 aten = torch.ops.aten
 _MASKS = (torch.bool, torch.uint8)  # index dtypes that select by value (a mask), not by position
@@ -269,6 +269,60 @@ def size_notes(found: dict[str, Sized], no_values: str = "") -> list[str]:
             "a batch whose values make them larger needs more memory than planned"
         )
     return lines
+
+
+class ExampleSizes(TorchDispatchMode):
+    """Watches a run on real tensors: per node (`node`, set by the recorder), the ops whose output size
+    depends on values, each with the largest it could be (`elements`; 0 where an op has none) and what the
+    example made (`example`). `found` as `ValueSizes` has it, every entry sized from the example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: str | None = None
+        self.found: dict[str, Sized] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.node is not None and (func in _BOUNDS or torch.Tag.dynamic_output_shape in func.tags):
+            largest, made = _largest(func, args, out)
+            if largest is not None:
+                prior = self.found.setdefault(self.node, Sized(self.node, _op_name(func), False, 0, 0))
+                prior.elements += largest
+                prior.example += made
+        return out
+
+
+def _largest(func: Any, args: tuple, out: Any) -> tuple[int | None, int]:
+    """(the largest size `func` could have made, the size it made); (None, 0): not a data-dependent size
+    (an index by positions); (0, 0): no largest size."""
+    first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    if func is aten.index.Tensor:
+        masks = [m for m in args[1] if isinstance(m, torch.Tensor) and m.dtype in _MASKS]
+        return (sum(m.numel() for m in masks), sum(int(torch.count_nonzero(m)) for m in masks)) if masks else (None, 0)
+    if func not in _BOUNDS or first is None:
+        return 0, 0
+    shape = args[0].shape
+    if func is aten.masked_select.default:
+        shape = torch.broadcast_shapes(shape, args[1].shape)
+    if func is aten.unique_dim.default:
+        dim = args[1] % max(args[0].dim(), 1)
+        return shape[dim], first.shape[dim]
+    return math.prod(shape), first.shape[0]
+
+
+def example_notes(found: dict[str, Sized]) -> list[str]:
+    """The plan's line about the nodes `ExampleSizes` found (none where there were none)."""
+    if not found:
+        return []
+    listed = ", ".join(
+        f"{s.node} ({s.op}" + (f", {s.example} of at most {s.elements})" if s.elements else ")") for s in found.values()
+    )
+    if all(s.elements and s.example == s.elements for s in found.values()):
+        return [f"data-dependent sizes, at their largest in the example: {listed}; the plan holds for any batch of these shapes"]
+    return [
+        f"data-dependent sizes taken from the example's values: {listed}; a batch whose values make them larger "
+        "needs more memory than planned"
+    ]
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from ..lower.selective import PolicyCounter, try_policy_costs
 from ..model_state import rng_preserved
 from ..solvers.problem import Cast
 from .backward import measure_backward, with_backward_temps
-from .dynamic_shapes import RealValues, ValueSizes, size_notes, with_fake_mode
+from .dynamic_shapes import ExampleSizes, RealValues, ValueSizes, example_notes, size_notes, with_fake_mode
 from .graph import CostGraph, NodeCost, StorageCost
 from .memory import alive, block_bytes, storage_key, tensor_block_bytes, warm_device_libraries
 from .record import CostProfiler, fake_of, meta_to_cpu, run_recording, strided_tensors
@@ -147,8 +147,8 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
     if config.flop_times:
         if not config.count_flops:
             raise InputError("profile_config.flop_times: needs count_flops=True (FLOPs are what it times by)")
-        prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator)
-        cost = _build(gm, flat, prof, None, method="flops", device=str(dev), config=config)
+        prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator, sizes=ExampleSizes())
+        cost = _with_example_sizes(_build(gm, flat, prof, None, method="flops", device=str(dev), config=config), prof)
         return with_backward_temps(cost, measure_backward(gm, prof))
     timer = CostProfiler(gm)
     if dev.type == "cuda":
@@ -159,9 +159,16 @@ def _profile_real(gm: fx.GraphModule, flat: list[Any], config: ProfileConfig, de
         timer.run(*flat, enable_io_processing=False)
         del timer.env
         timer.env = {}
-    prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator)
-    cost = _build(gm, flat, prof, robust_times(timer.times), method="measured", device=str(dev))
+    prof = run_recording(gm, flat, count_flops=config.count_flops, allocator=config.allocator, sizes=ExampleSizes())
+    cost = _with_example_sizes(_build(gm, flat, prof, robust_times(timer.times), method="measured", device=str(dev)), prof)
     return with_backward_temps(with_fastest(cost, timer.times), measure_backward(gm, prof))
+
+
+def _with_example_sizes(cost: CostGraph, prof: CostProfiler) -> CostGraph:
+    """On real tensors a data-dependent size is the example's (a masked loss's selected rows): the notes say
+    so, with the largest it could be (profile/dynamic_shapes.py)."""
+    notes = example_notes(prof.sizes.found)
+    return dataclasses.replace(cost, notes=(*cost.notes, *notes)) if notes else cost
 
 
 def _profile_fake(

@@ -185,8 +185,9 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
     recorder, before any op is decomposed for its FLOPs), told the running node's name through `node`:
     what another forward of the graph would count, counted in this one.
 
-    `sizes` (fake tensors): the mode that sizes ops whose output size depends on values, entered directly
-    above the fake mode; `real`: what gives it the real values of nodes (dynamic_shapes.py)."""
+    `sizes`: on fake tensors, the mode that sizes ops whose output size depends on values, entered directly
+    above the fake mode, and `real` what gives it the real values of nodes; on real tensors, the mode that
+    notes the sizes the example's values made (dynamic_shapes.py)."""
     prof = CostProfiler(gm)
     prof.record = True
     prof.events = {}
@@ -213,6 +214,8 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
                 stack.enter_context(prof.flops)
             if allocator:
                 prof.meter = stack.enter_context(AllocatorMeter(device_of(gm, flat)))
+            if sizes is not None:  # watching for sizes that depend on values, below the counters
+                prof.sizes = stack.enter_context(sizes)
         stack.enter_context(prof.mem)
         if dtypes:
             prof.casts = stack.enter_context(AutocastCasts(dtypes))

@@ -88,6 +88,15 @@ def test_a_half_mask_is_bounded_above_its_real_size():
     assert f"{B * T}; the example {B * T // 2}" in line  # the bound, and what this example keeps
 
 
+def test_on_real_tensors_the_notes_give_the_example_against_the_largest():
+    """Where the step is profiled whole on real tensors, the sizes are the example's: the notes say how far
+    that is from the largest a batch of these shapes can make."""
+    (line,) = [n for n in profiler.profile(capture(model(), inputs(0.5)), FLOPS).notes if "data-dependent" in n]
+    assert f"{B * T // 2} of at most {B * T}" in line and "needs more memory than planned" in line
+    (line,) = [n for n in profiler.profile(capture(model(), inputs()), FLOPS).notes if "data-dependent" in n]
+    assert "at their largest in the example" in line
+
+
 class Unmasked(MaskedLoss):
     """The same model and loss without the boolean index: what an all-ones mask computes."""
 
