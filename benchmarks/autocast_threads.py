@@ -31,6 +31,8 @@ from ckpt_planner.solvers import simulate
 from tests.models.zoo import ZOO, build, planned_at_half
 from tests.support.steps import as_on_a_backward_thread
 
+from ._io import write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 TUNED = ("mlp",)
 """The model the placement of the casts was built and tested on (tests/unit/profile/test_autocast_prediction.py):
@@ -100,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(rows[-1], flush=True)
     meta = {"torch": torch.__version__, "platform": platform.platform(), "threads": torch.get_num_threads(),
             "seconds": time.perf_counter() - start}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "autocast-threads.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (args.out / "autocast-threads.md").write_text(markdown(rows, meta))
+    write_files(args.out, {"autocast-threads.json": json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n",
+                           "autocast-threads.md": markdown(rows, meta)})
     return 0
 
 

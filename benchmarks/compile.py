@@ -36,6 +36,7 @@ from ckpt_planner import Planner
 from ckpt_planner.compile.compiled import CompiledPlanner, _quartiles, measure_compiled_step
 from ckpt_planner.verification import default_loss
 
+from ._io import out_dir, write_files
 from .tradeoff_models import MODELS
 
 SCALES = {"gpt2": "cpu", "llama": "cpu", "unet": "tiny"}  # models and the size each runs at
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.from_json:
-        (out / "compile.md").write_text(report(json.loads((out / "compile.json").read_text())))
+        write_files(out, {"compile.md": report(json.loads((out / "compile.json").read_text()))})
         return 0
     models = [m for m in args.models.split(",") if m]
     lowerings = [x for x in args.lowerings.split(",") if x]
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": date, "repeats": args.repeats, "budgets": args.budgets, "command": command,
                "fractions": fractions, "models": []}
     earlier = json.loads((out / "compile.json").read_text()) if args.update and (out / "compile.json").exists() else None
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out)
     for name in models:
         m = run_model(name, fractions, args.repeats, lambda s: print(s, file=sys.stderr, flush=True),
                       n_budgets=args.budgets, lowerings=lowerings)
@@ -299,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         results["models"].append(m)
         results["wall_s"] = time.perf_counter() - t0
         merged = _merge(earlier, results) if earlier else results
-        (out / "compile.json").write_text(json.dumps(merged, indent=1))
-        (out / "compile.md").write_text(report(merged))
+        write_files(out, {"compile.json": json.dumps(merged, indent=1), "compile.md": report(merged)})
     return 0
 
 

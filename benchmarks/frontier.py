@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ._io import figure_png, write_files
+
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the allocator meter, without a log line per start
 
 import torch  # noqa: E402
@@ -297,9 +299,8 @@ def done_when(models: list[dict]) -> dict:
 
 
 def write(models: list[dict], meta: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     checks = done_when(models)
-    (out / "frontier.json").write_text(json.dumps({"meta": meta, "checks": checks, "models": models}, indent=1))
+    write_files(out, {"frontier.json": json.dumps({"meta": meta, "checks": checks, "models": models}, indent=1)})
     lines = [
         "# Frontier: ours against transformers' every_n_layers and the selective policy", "",
         f"{meta['when']}, {meta['machine']}, torch {meta['torch']}, transformers {meta['transformers']}, "
@@ -332,7 +333,7 @@ def write(models: list[dict], meta: dict, out: Path) -> None:
                 f"{p['grads_bitwise']} |")
     lines += ["", "Checks (issue 27's Done-when, from the figures above):", ""]
     lines += [f"- {k}: {v}" for k, v in checks.items()]
-    (out / "frontier.md").write_text("\n".join(lines) + "\n")
+    write_files(out, {"frontier.md": "\n".join(lines) + "\n"})
     plot(models, out)
 
 
@@ -356,7 +357,7 @@ def plot(models: list[dict], out: Path) -> None:
         ax.set_title(f"{m['model']}: {m['sizes']}", fontsize=8)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / f"frontier-{m['model']}.png", dpi=110)
+        write_files(out, {f"frontier-{m['model']}.png": figure_png(fig, dpi=110)})
         plt.close(fig)
 
 

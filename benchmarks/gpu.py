@@ -55,6 +55,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._io import out_dir, write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast")
@@ -1030,8 +1032,7 @@ def merge_runs(runs: list[Path], out: Path, notes: list[str]) -> Path:
                 sec = {**sec, "rows": [{"date": date, **row} for row in sec.get("rows", [])]}
             merged["sections"][name] = {**sec, "date": date}
     kind = kind_of(merged["sections"].get("env", {}).get("rows", []), merged["dry"])
-    (out / f"gpu-{kind}.json").write_text(json.dumps(merged, indent=1, default=str))
-    (out / f"gpu-{kind}.md").write_text(markdown(merged))
+    write_files(out, {f"gpu-{kind}.json": json.dumps(merged, indent=1, default=str), f"gpu-{kind}.md": markdown(merged)})
     return out / f"gpu-{kind}.md"
 
 
@@ -1064,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
             print("benchmarks.gpu: no CUDA device here; run with --dry for the CPU rehearsal", file=sys.stderr)
             return 2
     out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu-dry-")) if a.dry else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out)
     limits = dict(DRY_LIMITS if a.dry else LIMITS)
     try:
         limits.update({k: float(v) for k, v in (x.split("=") for x in a.limits.split(",") if x)})
@@ -1089,8 +1090,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{results['seconds']:5.0f} s] {section}: {sec['status']} ({sec['seconds']:.0f} s)", flush=True)
             if sec["status"] != "ok":
                 print("  " + "\n  ".join(sec["log_tail"]), flush=True)
-            (out / f"gpu-{kind}.json").write_text(json.dumps(results, indent=1, default=str))
-            (out / f"gpu-{kind}.md").write_text(markdown(results))
+            write_files(out, {f"gpu-{kind}.json": json.dumps(results, indent=1, default=str),
+                              f"gpu-{kind}.md": markdown(results)})
     print((out / f"gpu-{kind}.md").read_text())
     return 0 if all(s["status"] == "ok" for s in results["sections"].values()) else 1
 

@@ -34,6 +34,8 @@ from ckpt_planner.profile.profiler import ProfileConfig, profile
 from ckpt_planner.solvers import InfeasibleBudgetError, Problem, simulate, solve
 from ckpt_planner.solvers.heuristics.selective import block_regions
 
+from ._io import write_files
+
 RESULTS = Path(__file__).resolve().parent / "results"
 FRACTIONS = (1.0, 0.9, 0.75, 0.5)
 HOST_BYTES = 64 * 10**9  # pinned host memory: far more than the activations, so it never binds
@@ -113,9 +115,8 @@ def main() -> None:
     data = {"model": plain.name, "nodes": plain.n, "flops": args.flops, "bandwidth": args.bandwidth, "copy": args.copy,
             "param_bytes": plain.param_bytes, "per_layer_peak_bytes": layer_peak, "base_step_s": base,
             "forward_s": forward, "window_bytes": forward * args.copy, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(render(data) + "\n")
+    write_files(args.out.parent, {args.out.with_suffix(".json").name: json.dumps(data, indent=1) + "\n",
+                                  args.out.with_suffix(".md").name: render(data) + "\n"})
 
 
 def render(d: dict[str, Any]) -> str:

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._io import out_dir, write_files
+
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
@@ -232,7 +234,7 @@ def zoo_row(name: str) -> dict[str, Any]:
 
 def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dict[str, Any]], meta: dict[str, Any],
           out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out)
     data = {"meta": meta, "rows": rows, "depth": depth, "zoo": zoo}
     old = out / "plan_memory.json"
     if old.exists():  # rows not measured this time are kept as the last run wrote them, dated
@@ -246,7 +248,7 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
     data["rows"].sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order), r["path"]))
     data["depth"].sort(key=lambda r: (r["path"], r["layers"]))
     rows, depth, zoo = data["rows"], data["depth"], data["zoo"]
-    (out / "plan_memory.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_files(out, {"plan_memory.json": json.dumps(data, indent=1) + "\n"})
     lines = [
         "# Planning within the budget",
         "",
@@ -298,7 +300,7 @@ def write(rows: list[dict[str, Any]], depth: list[dict[str, Any]], zoo: list[dic
             lines.append(f"| {r['model']} | {'yes' if r['same_plan'] else 'no'} | {w['predicted_mb']:.2f} | "
                          f"{w['error'] * 100:+.1f} % | {w['recompute_ms']:.2f} | {g['predicted_mb']:.2f} | "
                          f"{g['error'] * 100:+.1f} % | {g['recompute_ms']:.2f} |")
-    (out / "plan_memory.md").write_text("\n".join(lines) + "\n")
+    write_files(out, {"plan_memory.md": "\n".join(lines) + "\n"})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ._io import write_text
+
 SOLVERS = ("auto", "dp", "greedy", "uniform", "selective", "structured")
 FRACTIONS = (0.75, 0.25)
 FIELDS = ("regions", "predicted_peak_bytes", "budget_bytes", "baseline_peak_bytes", "predicted_recompute_s",
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.simplefilter("ignore")
     names = args.models.split(",") if args.models else list(ZOO)
-    Path(args.out).write_text(json.dumps(snapshot(names), indent=1, sort_keys=True, default=str))
+    write_text(args.out, json.dumps(snapshot(names), indent=1, sort_keys=True, default=str))
     return 0
 
 

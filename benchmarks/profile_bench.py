@@ -25,6 +25,8 @@ import torch
 from ckpt_planner.capture.trace import capture
 from ckpt_planner.profile.profiler import ProfileConfig, profile
 
+from ._io import write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -129,9 +131,7 @@ def main() -> None:
         warnings.simplefilter("ignore")
         r = run(a.layers, a.hidden, a.heads, a.batch, a.seq)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps(r, indent=2) + "\n")
-    (out / "profile.md").write_text(markdown(r))
+    write_files(out, {"profile.json": json.dumps(r, indent=2) + "\n", "profile.md": markdown(r)})
     print(markdown(r))
 
 

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._io import write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 15.0
 
@@ -98,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"environment": {"machine": platform.machine() + " " + platform.system(), "cpus": mp.cpu_count(),
                                "torch": torch.__version__, "python": platform.python_version()},
                "target_s": TARGET_S, "runs": runs, "note": args.note}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quickstart.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "quickstart.md").write_text(markdown(results))
+    write_files(args.out, {"quickstart.json": json.dumps(results, indent=2) + "\n", "quickstart.md": markdown(results)})
     print(markdown(results))
     return 0
 

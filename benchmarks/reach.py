@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ._io import out_dir, write_files
+
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out)
     results: dict = {}
     if (out / "reach.json").is_file():  # runs of other models in the same mode add to the file
         old = json.loads((out / "reach.json").read_text())
@@ -316,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:  # written after each model, so a long run keeps what it measured
         key = f"{name}-stock" if a.stock and name != "cnn" else name
         results[key] = run_model(name, a.quick, log, stock=a.stock and name != "cnn", overhead=not a.no_overhead)
-        (out / "reach.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        (out / "reach.md").write_text(_markdown(results, meta))
+        write_files(out, {"reach.json": json.dumps({"meta": meta, "results": results}, indent=2),
+                          "reach.md": _markdown(results, meta)})
     print(_markdown(results, meta))
     return 0
 

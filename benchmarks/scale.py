@@ -46,6 +46,8 @@ from ckpt_planner.distributed import optimizer_state_bytes
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile.profiler import ProfileConfig, profile
 
+from ._io import write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 TARGET_S = 60.0
@@ -406,14 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="a line on the machine's state printed above the targets")
     args = ap.parse_args(argv)
     if args.render:
-        (args.out / "scale.md").write_text(markdown(json.loads((args.out / "scale.json").read_text())))
+        write_files(args.out, {"scale.md": markdown(json.loads((args.out / "scale.json").read_text()))})
         return 0
     if args.targets:
         results = json.loads((args.out / "scale.json").read_text())
         results["targets"] = [run_target(*case) for case in TARGETS]
         results["targets_note"] = args.note
-        (args.out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "scale.md").write_text(markdown(results))
+        write_files(args.out, {"scale.json": json.dumps(results, indent=2) + "\n", "scale.md": markdown(results)})
         print(markdown(results))
         return 0
     import transformers
@@ -431,9 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: done", file=sys.stderr)
     results["targets"] = [run_target(*case) for case in TARGETS]
     results["targets_note"] = args.note
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "scale.md").write_text(markdown(results))
+    write_files(args.out, {"scale.json": json.dumps(results, indent=2) + "\n", "scale.md": markdown(results)})
     print(markdown(results))
     return 0
 

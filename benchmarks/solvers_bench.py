@@ -25,6 +25,8 @@ from pathlib import Path
 
 from ckpt_planner.solvers import InfeasibleBudgetError, Node, Problem, Storage, simulate, solve
 
+from ._io import write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 2**20
@@ -251,17 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         rows += run_case(problem, SOLVERS)
     machine = {"cpus": start["cpus"], "start": start, "end": machine_load()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "solvers.json").write_text(
-        json.dumps(
-            {"total_s": time.perf_counter() - t0, "machine": machine, "solver_options": SOLVERS, "rows": rows}, indent=1
-        )
+    solvers_json = json.dumps(
+        {"total_s": time.perf_counter() - t0, "machine": machine, "solver_options": SOLVERS, "rows": rows}, indent=1
     )
     text = markdown(rows, machine)
     versus = uniform_comparison(rows)
     if versus:
         text += "\nOn the captured graphs (target: dp/ilp recompute at least 30 % below uniform's):\n\n" + "\n".join(versus) + "\n"
-    (RESULTS / "solvers.md").write_text(text)
+    write_files(RESULTS, {"solvers.json": solvers_json, "solvers.md": text})
     print(f"wrote {RESULTS / 'solvers.json'} and {RESULTS / 'solvers.md'} in {time.perf_counter() - t0:.0f} s")
     return 0
 

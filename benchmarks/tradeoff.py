@@ -65,6 +65,7 @@ from ckpt_planner.profile.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.solvers.heuristics.selective import block_regions  # noqa: E402
 from ckpt_planner.verification import default_loss  # noqa: E402
 
+from ._io import out_dir, write_files  # noqa: E402
 from .tradeoff_batch import largest_batches  # noqa: E402
 from .tradeoff_models import MODELS, SIZES  # noqa: E402
 from .tradeoff_report import write_report  # noqa: E402
@@ -518,9 +519,9 @@ def _run(a: argparse.Namespace, device: torch.device, names: list[str], solver_n
         dynamo.reset()
         results["meta"]["total_s"] = time.perf_counter() - start
         out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out_dir(out)
         write_report(results, out)  # after every model, so that a cut-short run keeps what it measured
-        (out / "tradeoff.json").write_text(json.dumps(results, indent=1, default=float))
+        write_files(out, {"tradeoff.json": json.dumps(results, indent=1, default=float)})
         log(f"wrote {out / 'tradeoff.json'} and {out / 'tradeoff.md'}")
     return 0
 

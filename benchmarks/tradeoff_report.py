@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from ._io import figure_png, write_files
+
 __all__ = ["curve", "at_memory", "analyse", "write_report"]
 
 LEVELS = (0.25, 0.5, 0.75)
@@ -223,7 +225,7 @@ def _plot(model: dict, out: Path) -> str:
     ax.legend(fontsize=7)
     name = f"tradeoff-{model['name']}.png"
     fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+    write_files(out, {name: figure_png(fig, dpi=110)})
     plt.close(fig)
     return name
 
@@ -435,4 +437,4 @@ def write_report(results: dict, out: Path) -> None:
         lines.append(f"| {name} | {key} | {'hit' if t['hit'] else 'miss'} | {detail} |")
     if meta.get("findings"):
         lines += ["", "## What this run shows", ""] + [f"- {f}" for f in meta["findings"]]
-    (out / "tradeoff.md").write_text("\n".join(lines) + "\n")
+    write_files(out, {"tradeoff.md": "\n".join(lines) + "\n"})

@@ -26,6 +26,8 @@ from ckpt_planner.api import Planner
 
 from tests.models.zoo import ZOO, build, run_case, solver_names
 
+from ._io import out_dir, write_files
+
 ROOT = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.5, 0.25)
 
@@ -148,15 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         "milp_time_limit_s": args.time_limit,
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out_dir(out)
     if args.update and (out / "zoo.json").is_file():
         old = json.loads((out / "zoo.json").read_text())
         kept = [r for r in old["rows"] if r["model"] not in names]
         order = {name: i for i, name in enumerate(ZOO)}
         rows = sorted(kept + rows, key=lambda r: order.get(r["model"], len(order)))
         meta["seconds"] += old["meta"]["seconds"]
-    (out / "zoo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    (out / "zoo.md").write_text(markdown(rows, meta))
+    write_files(out, {"zoo.json": json.dumps({"meta": meta, "rows": rows}, indent=1, default=str),
+                      "zoo.md": markdown(rows, meta)})
     return 0
 
 
