@@ -9,7 +9,8 @@ lowerings' own estimates (eager node times summed over whole regions; a FLOP/byt
 not on one scale, and inductor's fusion changes what either costs.
 
 Region lowering: the eager plan's checkpointed module (non-reentrant `checkpoint` regions) is compiled
-whole with inductor, `fullgraph=True`; dynamo turns each region into a `tag_activation_checkpoint`
+whole with inductor, `fullgraph=True` (a plan with no regions: the captured graph, never the model's own
+code, whose Python may log or branch where fullgraph compilation refuses it); dynamo turns each region into a `tag_activation_checkpoint`
 call and the AOT partitioner recomputes it in the compiled backward, fused with its neighbours.
 Selective regions lose their kept ops under compile (their cache is entered by `keep_begin`,
 which the trace skips): they are recomputed whole, which saves more and costs more than planned.
