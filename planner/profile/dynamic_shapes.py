@@ -60,10 +60,11 @@ class Sized:
 
 class ValueSizes(TorchDispatchMode):
     """The fake mode's data-dependent ops, sized (see the module docstring). `values`: a fake tensor -> its
-    real value, or None where it has none to give (None: no values at all); `no_values`: why, for the note
+    real value, or None where it has none to give (None: no values at all), called with `parameters=True`
+    where the value may cost part of the model's forward (`RealValues.of`); `no_values`: why, for the note
     and the error ("the meta device holds no values")."""
 
-    def __init__(self, values: Callable[[torch.Tensor], torch.Tensor | None] | None = None, *,
+    def __init__(self, values: Callable[..., torch.Tensor | None] | None = None, *,
                  no_values: str = "") -> None:
         super().__init__()
         self.values = values
@@ -127,11 +128,10 @@ class ValueSizes(TorchDispatchMode):
             raise ProfileError(f"{_op_name(func)}: its output size depends on values, and this run differs from the first")
         real_args = self._real(args, kwargs)
         if real_args is None:
-            why = self.no_values or "its inputs are computed from parameters or random draws"
+            why = self.no_values or "its inputs come from random draws, whose values a profile cannot know"
             raise ProfileError(
-                f"{_op_name(func)} makes an output whose size depends on the values of its inputs, and no "
-                f"largest size exists for it; {why}: profile with real example inputs, or compute the size "
-                "from the inputs alone"
+                f"{_op_name(func)}: its output size depends on the values of its inputs and has no largest size, "
+                f"and {why}: plan with real example inputs from which its inputs are computed"
             )
         with _disable_current_modes(), torch.no_grad():
             real = func(*real_args[0], **real_args[1])
@@ -146,7 +146,7 @@ class ValueSizes(TorchDispatchMode):
         out = []
         for leaf in flat:
             if isinstance(leaf, torch.Tensor):
-                leaf = self.values(leaf)
+                leaf = self.values(leaf, parameters=True)  # no bound to fall back on: the model's forward if need be
                 if leaf is None:
                     return None
             out.append(leaf)
@@ -334,8 +334,11 @@ def with_fake_mode(fake_mode: Any, sizes: ValueSizes | None):
 
 class RealValues:
     """The real value of a node of the graph from the example inputs, computed by the part of the graph
-    that leads to it, where that part reads no parameter, calls no module and draws no random number:
-    input preprocessing (a mask from the attention mask, labels), cheap next to the step. None elsewhere.
+    that leads to it, where that part draws no random number and reads no parameter unless `parameters`
+    is asked for (a module's own, swapped in for the fakes while it runs, among them). Without parameters it is input preprocessing (a mask from the
+    attention mask, labels), cheap next to the step, and its values are kept for the next question; with
+    them it is part of the model's forward, run without autograd, each value let go after its last use.
+    None where the part cannot be run so.
 
     `inputs`: the placeholders' real values; `state`: parameter and buffer name -> real tensor (the graph's
     own are fakes while a fake run swaps them in); `params`: the names among them that are parameters."""
@@ -348,48 +351,83 @@ class RealValues:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.values.update(zip(placeholders, inputs))
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.refused: set[fx.Node] = set()
+        self.refused: set[tuple[fx.Node, bool]] = set()
 
-    def of(self, node: fx.Node) -> Any | None:
+    def of(self, node: fx.Node, *, parameters: bool = False) -> Any | None:
         if node in self.values:
             return self.values[node] if _real(self.values[node]) else None
-        needed = self._ancestors(node)
+        needed = self._ancestors(node, parameters)
         if needed is None:
             return None
+        order = sorted(needed, key=self.order.__getitem__)
+        last = {a: n for n in order for a in n.all_input_nodes}  # each value's last reader within the part
+        values = self.values if not parameters else {}
         with _disable_current_modes(), torch.no_grad():
-            for n in sorted(needed, key=self.order.__getitem__):
-                if n in self.values:
-                    continue
+            for n in order:
                 if n.op == "get_attr":
-                    self.values[n] = self._attr(str(n.target))
+                    values[n] = self._attr(str(n.target))
                     continue
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), self.values.__getitem__)
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: values[a] if a in values else self.values[a])
                 args, kwargs = meta_to_cpu(args, kwargs)
-                fn = n.target if n.op == "call_function" else getattr(args[0], n.target)
-                self.values[n] = fn(*args, **kwargs) if n.op == "call_function" else fn(*args[1:], **kwargs)
-        value = self.values[node]
+                if n.op == "call_module":
+                    values[n] = self._call_module(str(n.target), args, kwargs)
+                elif n.op == "call_function":
+                    values[n] = n.target(*args, **kwargs)
+                else:
+                    values[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                if parameters:  # the forward's activations: let go once read for the last time
+                    for a in n.all_input_nodes:
+                        if last.get(a) is n and a in values:
+                            del values[a]
+        value = values[node]
         return value if _real(value) else None
 
-    def _ancestors(self, node: fx.Node) -> set[fx.Node] | None:
+    def _ancestors(self, node: fx.Node, parameters: bool) -> set[fx.Node] | None:
         seen: set[fx.Node] = set()
         stack = [node]
         while stack:
             n = stack.pop()
             if n in seen or n in self.values:
                 continue
-            if n in self.refused or not self._cheap(n):
-                self.refused.add(node)
+            if (n, parameters) in self.refused or not self._runnable(n, parameters):
+                self.refused.add((node, parameters))
                 return None
             seen.add(n)
             stack.extend(n.all_input_nodes)
         return seen
 
-    def _cheap(self, n: fx.Node) -> bool:
+    def _runnable(self, n: fx.Node, parameters: bool) -> bool:
         if n.op == "get_attr":
-            return str(n.target) not in self.params and _real(self._attr(str(n.target)))
+            return (parameters or str(n.target) not in self.params) and _real(self._attr(str(n.target)))
         if n.op in ("call_function", "call_method"):
             return not uses_rng(self.gm, n)
-        return False  # a placeholder without a value, a module (its parameters are fakes in a fake run)
+        if n.op == "call_module":
+            state = self._module_state(str(n.target))
+            return (parameters or not any(k in self.params for k in state)) and not uses_rng(self.gm, n) and all(
+                _real(self.state.get(k)) for k in state)
+        return False  # a placeholder without a value
+
+    def _module_state(self, target: str) -> dict[str, str]:
+        """The submodule's own parameter and buffer names (as it names them) -> the graph's names."""
+        mod = self.gm.get_submodule(target)
+        named = list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))
+        return {f"{target}.{name}": name for name, _ in named}
+
+    def _call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        """The submodule run on real tensors: its state, fakes during a fake run, swapped for the real one."""
+        mod = self.gm.get_submodule(target)
+        swapped = []
+        for full, name in self._module_state(target).items():
+            *path, leaf = name.split(".")
+            owner = mod.get_submodule(".".join(path)) if path else mod
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            swapped.append((table, leaf, table[leaf]))
+            table[leaf] = self.state[full]
+        try:
+            return mod(*args, **kwargs)
+        finally:
+            for table, leaf, value in swapped:
+                table[leaf] = value
 
     def _attr(self, target: str) -> Any:
         if target in self.state:

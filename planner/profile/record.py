@@ -60,6 +60,7 @@ class CostProfiler(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False  # a failure reads as one line naming the node (run_node), not the graph's code
         self.record = False
         self.times: dict[str, list[float]] = {}
         self.sync = None
@@ -105,16 +106,17 @@ class CostProfiler(fx.Interpreter):
             args, kwargs = meta_to_cpu(args, kwargs)
         return super().call_function(target, args, kwargs)
 
-    def real_of(self, t: torch.Tensor) -> torch.Tensor | None:
+    def real_of(self, t: torch.Tensor, *, parameters: bool = False) -> torch.Tensor | None:
         """The real value of `t`, a fake tensor the running node was handed by one of its input nodes; None
-        where that node has none (see `real`) or `t` is not such a tensor (one made inside the node)."""
+        where that node has none (see `real`; `parameters`: computing it may read them) or `t` is not such a
+        tensor (one made inside the node)."""
         n = self.running
         if n is None or self.real is None:
             return None
         for a in n.all_input_nodes:
             for i, leaf in enumerate(pytree.tree_leaves(self.env.get(a))):
                 if leaf is t:
-                    value = self.real.of(a)
+                    value = self.real.of(a, parameters=parameters)
                     return None if value is None else pytree.tree_leaves(value)[i]
         return None
 
@@ -162,8 +164,9 @@ class CostProfiler(fx.Interpreter):
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = super().run_node(n)
-        except Exception as e:
-            raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {e}") from e
+        except Exception as e:  # one line: fx appends the graph's code and a traceback to the message
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {first}") from e
         finally:
             self.running = None
             for watcher in (self.seeded, self.watch, self.casts, self.sizes):

@@ -167,7 +167,40 @@ def test_each_op_gets_its_largest_size_on_fake_tensors():
 
 def test_an_op_without_a_bound_is_sized_from_values_or_refused_in_one_line():
     counts = torch.tensor([0, 3, 3, 1])
-    sizes = ValueSizes(lambda t: counts if t.shape == counts.shape else None)
+    sizes = ValueSizes(lambda t, **_: counts if t.shape == counts.shape else None)
     assert run_fake(lambda c: torch.bincount(c), counts, sizes=sizes).shape == (4,)
     with pytest.raises(ProfileError, match="aten.bincount.*meta device holds no values"):
         run_fake(lambda c: torch.bincount(c), counts, sizes=ValueSizes(no_values="the meta device holds no values"))
+
+
+class Weighted(MaskedLoss):
+    """Class weights from counts of the labels (`from_logits`: of the predicted classes): `bincount`, whose
+    size has no largest, sized from values the example's inputs (and the model's parameters) compute."""
+
+    def __init__(self, from_logits: bool) -> None:
+        super().__init__()
+        self.from_logits = from_logits
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x).view(-1, C)
+        counts = torch.bincount(logits.argmax(-1) if self.from_logits else labels.view(-1), minlength=C)
+        weight = (counts.sum() / counts.clamp(min=1).float())[:C]
+        return F.cross_entropy(logits, labels.view(-1), weight=weight)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_a_size_without_a_bound_is_taken_from_the_example(from_logits):
+    torch.manual_seed(0)
+    m, example = Weighted(from_logits), inputs()
+    assert fake_cost(m, example).total_saved_bytes == profiler.profile(capture(m, example), FLOPS).total_saved_bytes
+    plan = optimize(m, example, activation_budget=0.7, profile_config=FLOPS)
+    report = verify(m, plan, example)
+    assert report.exact and report.measured_peak_bytes <= plan.budget_bytes
+    assert any("taken from the example's values (no largest size exists): bincount" in n for n in plan.notes)
+    with torch.device("meta"):
+        on_meta = Weighted(from_logits)
+    with pytest.raises(ProfileError, match=r"^node 'bincount' .*meta device holds no values: plan with real example inputs[^\n]*$"):
+        fake_cost(on_meta, inputs(device="meta"))
