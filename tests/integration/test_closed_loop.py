@@ -141,3 +141,47 @@ def test_calibrate_plans_an_optimize_users_step_again() -> None:
     assert "calibrated on the caller's step" in new.notes[-1]
     with pytest.raises(ValueError, match="budget is the plan's own"):
         calibrate(plan, model, batch, lambda m: None, budget_gb=1.0)
+
+
+def _accumulates(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Two micro-batches per optimizer step: the second runs with the first one's gradients alive."""
+    losses = []
+    for rows in (batch, {k: v.flip(0) for k, v in batch.items()}):  # each micro-batch at the planned shape
+        loss = model(**rows)["loss"] / 2
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _backward_outside_autocast(model: nn.Module, batch: dict) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch)["loss"]
+    loss.backward()  # outside: leaving autocast emptied its cache of parameter casts
+    return loss.detach()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["accumulation", "amp"])
+def test_the_loops_step_is_predicted_within_3_percent(case) -> None:
+    """Accumulation is modelled whole (no re-plan). Under AMP with the backward outside autocast the casts
+    go at the forward's end, sooner than the model lets them go (at the first recompute): the closed loop
+    takes the rest as fixed bytes, once."""
+    from ckpt_planner.integrations.loop import LoopStep
+
+    step = _accumulates if case == "accumulation" else _backward_outside_autocast
+    modelled = LoopStep(outputs_dropped=True, accumulating=case == "accumulation", backward_outside_autocast=case == "amp")
+    for loop in (LoopStep(), modelled):
+        # accumulation: the gradients held from the forward's start need a budget near the plain step's
+        planner = FirstBatchPlanner(activation_budget=1.0 if case == "accumulation" else 0.75, **PLAN)
+        planner.loop = loop  # as the callbacks set theirs; the held step (optimize()'s) misses by over 3 %
+        _same_training(step, planner)
+        first, last = planner.measurements[0], planner.measurements[-1]
+        if loop != modelled:  # optimize()'s step is not this loop's: the first measurement misses
+            assert abs(first.peak_bytes - planner.plan.predicted_peak_bytes) > 0.03 * first.peak_bytes
+            continue
+        if case == "accumulation":
+            assert not planner.replans and first is last
+        else:
+            assert len(planner.replans) <= 1 and last.step == 1 + len(planner.replans)
+        assert abs(last.peak_bytes - planner.predicted_peak_bytes) <= 0.03 * last.peak_bytes
+        assert all(m.peak_bytes <= planner.plan.budget_bytes for m in planner.measurements)
