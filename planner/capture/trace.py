@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError, InputError
+from ..errors import CaptureError, InputError, UnplannableError
 from ..model_state import ModelState
 from .export_exact import match_eager_attention, recording_mask_skips
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
@@ -33,7 +33,8 @@ from .shapes import export_dynamic
 
 logger = logging.getLogger("ckpt_planner.capture")
 
-__all__ = ["Capture", "capture", "capture_as_on_meta", "normalize_inputs", "flatten_for_graph"]
+__all__ = ["Capture", "capture", "capture_as_on_meta", "normalize_inputs", "flatten_for_graph", "GraphTooLargeError",
+           "MAX_GRAPH_NODES", "max_graph_nodes"]
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,63 @@ def _as_node(cls: type, run, args: tuple, kwargs: dict) -> Any:
     return proxy.tracer.create_proxy("call_function", _function_node(cls), args, kwargs)
 
 
+MAX_GRAPH_NODES = 50_000
+"""The most nodes a captured graph may have (CKPT_PLANNER_MAX_NODES sets another). The largest models
+planned here have a few thousand (a 70B Llama's exported step, about 5,000); the planner's passes
+grow faster than the graph, and a 300,000-node graph ran for minutes without a word. Past the bound,
+capture stops as it goes (tracing costs about 0.2 ms a node) and says so in one line."""
+
+MAX_NODES_ENV = "CKPT_PLANNER_MAX_NODES"
+
+
+class GraphTooLargeError(UnplannableError):
+    """The graph has more nodes than `max_graph_nodes()`: the model as given, not a failure (exit 2)."""
+
+
+def max_graph_nodes() -> int:
+    """The node bound in force: CKPT_PLANNER_MAX_NODES where it is a positive integer, else MAX_GRAPH_NODES."""
+    import os
+
+    raw = os.environ.get(MAX_NODES_ENV, "").strip()
+    if not raw:
+        return MAX_GRAPH_NODES
+    if not raw.isdigit() or int(raw) <= 0:
+        raise InputError(f"{MAX_NODES_ENV}: {raw[:40]!r} is not a positive whole number of graph nodes")
+    return int(raw)
+
+
+def _too_large(model: torch.nn.Module, limit: int, how: str) -> GraphTooLargeError:
+    return GraphTooLargeError(
+        f"cannot plan {type(model).__name__}: its graph has more than {limit:,} nodes ({how}), more than the "
+        f"planner takes in one piece; plan it in parts (optimize(..., partial=True), or one block at a time), "
+        f"or raise the bound with {MAX_NODES_ENV}=N if the time and memory are yours to spend"
+    )
+
+
+class _BoundedTracer(fx.Tracer):
+    """symbolic_trace's tracer, stopping at `limit` nodes instead of recording a graph without bound."""
+
+    def __init__(self, model: torch.nn.Module, limit: int) -> None:
+        super().__init__()
+        self._model, self._limit, self._nodes = model, limit, 0
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        self._nodes += 1
+        if self._nodes > self._limit:
+            raise _too_large(self._model, self._limit, "stopped while tracing")
+        return super().create_node(*args, **kwargs)
+
+
+def _symbolic_trace(model: torch.nn.Module) -> fx.GraphModule:
+    """`fx.symbolic_trace(model)` within the node bound."""
+    tracer = _BoundedTracer(model, max_graph_nodes())
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, calls: list[OwnCheckpoint]) -> fx.GraphModule:
     with _autograd_functions(_as_node), recording_checkpoints(model, calls):
-        gm = fx.symbolic_trace(model)
+        gm = _symbolic_trace(model)
     is_meta = any(t.device.type == "meta" for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     if not is_meta:
         # symbolic_trace can silently bake in control flow; check it on the real inputs.
@@ -292,11 +347,14 @@ def _own_checkpoint_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, builtin: tuple[str, ...]) -> Capture:
     reason = None
+    max_graph_nodes()  # a malformed bound is the user's to fix, not a reason to try export
     if method in ("auto", "symbolic_trace"):
         try:
             calls: list[OwnCheckpoint] = []
             gm = _trace(model, args, kwargs, calls)
             return Capture(gm, "symbolic_trace", None, args, kwargs, builtin, tuple(calls))
+        except GraphTooLargeError:
+            raise  # export would record the same graph, again without bound
         except Exception as e:  # noqa: BLE001 - any trace failure means: try export
             if method == "symbolic_trace":
                 raise CaptureError(f"symbolic_trace failed: {_key_line(e)}") from e
@@ -323,10 +381,12 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
                 "Make the model symbolic-traceable around it (symbolic_trace keeps the Function as one node)"
             )
         gm = ep.module()
+        if len(gm.graph.nodes) > max_graph_nodes():
+            raise _too_large(model, max_graph_nodes(), f"torch.export recorded {len(gm.graph.nodes):,}")
         _rebind_state(gm, model)
         match_eager_attention(gm, model, skips)  # the attention kernels eager runs (export_exact.py)
         return Capture(gm, "export", reason, args, kwargs, builtin, dynamic_dims=dynamic)
-    except CaptureError:
+    except (CaptureError, GraphTooLargeError):
         raise
     except Exception as e:  # noqa: BLE001 - reported with both causes
         tried = f"symbolic_trace: {reason}; " if reason else ""
