@@ -24,6 +24,9 @@ Tensors on the meta device (a model built under `torch.device("meta")`)
 become fake CPU tensors, so each op takes the kernel a real run would take
 (fused attention, not the meta device's float32 math path) and the bytes equal
 a real CPU step's; one dispatch mode counts storages and FLOPs together.
+An op whose output size depends on values (a masked loss's boolean index) takes the largest size it can
+make there, or the size the example's values make where it has no largest (profile/dynamic_shapes.py);
+the CostGraph's notes say which.
 """
 
 from __future__ import annotations

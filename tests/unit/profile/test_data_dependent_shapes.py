@@ -59,13 +59,14 @@ def model(device: str = "cpu") -> MaskedLoss:
         return MaskedLoss()
 
 
-def fake_cost(m: nn.Module, example: tuple):
+def fake_cost(m: nn.Module, example: tuple, *, policy: bool = False):
+    """The fake bytes pass; `policy`: with the selective policy's figures, counted in a forward of their own."""
     cap = capture(m, example)
     gm = cap.graph_module
     with rng_preserved():
-        cost, _ = profiler._profile_fake(gm, flatten_for_graph(gm, cap.args, cap.kwargs), FLOPS,
-                                         torch.device("cpu"), ops_priced=True)
-    return cost
+        cost, figures = profiler._profile_fake(gm, flatten_for_graph(gm, cap.args, cap.kwargs), FLOPS,
+                                               torch.device("cpu"), ops_priced=True)
+    return (cost, figures) if policy else cost
 
 
 def test_an_all_ones_mask_counts_the_bytes_of_a_real_step():
@@ -204,3 +205,12 @@ def test_a_size_without_a_bound_is_taken_from_the_example(from_logits):
         on_meta = Weighted(from_logits)
     with pytest.raises(ProfileError, match=r"^node 'bincount' .*meta device holds no values: plan with real example inputs[^\n]*$"):
         fake_cost(on_meta, inputs(device="meta"))
+
+
+@pytest.mark.parametrize("make", [lambda: model(), lambda: Weighted(from_logits=True)])
+def test_the_policy_figures_are_counted_past_a_data_dependent_op(make):
+    """The selective policy's own forward on fake tensors meets the same ops: it takes the recording's sizes
+    (a failed count would leave the figures out, and only single-op nodes could be kept)."""
+    torch.manual_seed(0)
+    _, (cached, ops) = fake_cost(make(), inputs(0.5), policy=True)
+    assert cached is not None and ops is not None and ops
