@@ -145,7 +145,7 @@ class ValueSizes(TorchDispatchMode):
         flat, spec = pytree.tree_flatten((args, kwargs))
         out = []
         for leaf in flat:
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) and not _real(leaf):  # a real one (a constant) is its own value
                 leaf = self.values(leaf, parameters=True)  # no bound to fall back on: the model's forward if need be
                 if leaf is None:
                     return None
