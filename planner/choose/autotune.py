@@ -32,7 +32,7 @@ from ..solvers.problem import Problem, ProblemError, Solution
 from ..solvers.simulate import simulate
 from ..verification import step_differences
 from .budget import inner_budget
-from .plan_store import plan_key
+from .plan_store import plan_key, set_aside_stale
 from .profiled import Profiled, whole_modules_allowed
 from .race.candidates import candidate, candidates, explicit_variants, runner_up_plans
 from .race.device import device_measure
@@ -173,11 +173,13 @@ def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest
     spans = p.reference_regions
     baseline = (spans, (), p.reference_paths) if not spans or p.reference_fits(budget) else None
     measure = device_measure(model, gm, cap.args, cap.kwargs, torch.device(p.cost.device), build, baseline=baseline)
+    store, key = p.store(), plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune"
+    stale = set_aside_stale(store, key, model)  # an entry naming a module this model lacks: a note, not an error
     with ModelState(model).preserved():
-        return autotune_solution(
-            p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=p.store(),
-            key=plan_key(p.problem, inner, cfg.solver, dict(cfg.options), False) + "|autotune",
-            finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not spans,
+        result, notes = autotune_solution(
+            p.problem, solution, budget, inner, steps=steps, measure=measure, differs=differs, store=store,
+            key=key, finish=lambda r: finish(p, r, False)[0], learn=p.cost.time_source == "fitted" and not spans,
             modules=modules if whole_modules_allowed(p) else None,
             solver=None if cfg.solver == "auto" else cfg.solver, options=dict(cfg.options),
         )
+    return result, [*stale, *notes]

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..profile.timing_store import TimingStore, signature
 from ..solvers.plans import normalize_regions, normalize_saved
 from ..solvers.problem import Problem, ProblemError, Solution
 from ..solvers.simulate import simulate
 
-__all__ = ["KEEP_WITHIN", "plan_key", "kept_plan"]
+__all__ = ["KEEP_WITHIN", "plan_key", "kept_plan", "set_aside_stale"]
 
 KEEP_WITHIN = 0.02
 """A gain of this run's solve over the kept plan above this fraction of the step without
@@ -92,3 +94,21 @@ def kept_plan(problem: Problem, solution: Solution, budget: int, key: str, store
         store.keep("plans", key, entry)
         store.save()
     return solution, []
+
+
+def set_aside_stale(store: TimingStore, key: str, model: torch.nn.Module) -> list[str]:
+    """Set aside the entry stored under `key` when it names a module `model` does not have (the model's code
+    changed since, or the file was edited): planning goes on as if nothing were stored, and this run's
+    choice replaces it. Returns the note saying so (none when the entry is absent or fits the model)."""
+    entry = store.get("plans", key)
+    paths = entry.get("modules") if isinstance(entry, dict) else None
+    if not isinstance(paths, list) or not paths:
+        return []
+    names = dict(model.named_modules())
+    missing = next((p for p in paths if not isinstance(p, str) or p not in names or p == ""), None)
+    if missing is None:
+        return []
+    store.set_aside("plans", key)
+    shown = repr(missing)[:80]
+    return [f"timing store: the plan stored for this graph names module {shown}, which {type(model).__name__} "
+            "does not have; it was set aside and this run's choice is stored in its place"]

@@ -151,6 +151,10 @@ class TimingStore:
         self._added[table][key] = (value, heal)
         return value
 
+    def set_aside(self, table: str, key: str) -> None:
+        """Forget `key` for this run (a stale entry): the file keeps it until this run stores its own."""
+        self.data[table].pop(key, None)
+
     def keep(self, table: str, key: str, value: Any) -> None:
         """Store `value` (JSON) under `key`, replacing what is there: a record, not a measurement."""
         self.data[table][key] = value
