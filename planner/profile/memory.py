@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..progress import native_stderr_dropped
 
-__all__ = ["CUDA_BLOCK_BYTES", "ALLOCATOR_OVERHEAD", "EAGER_REDUCED_VIEWS", "EXPANDABLE_OVERHEAD", "AllocatorMeter", "as_eager_storage", "allocator_limit", "block_bytes", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "collections_of_new_objects", "device_room",
+__all__ = ["CUDA_BLOCK_BYTES", "ALLOCATOR_OVERHEAD", "EAGER_REDUCED_VIEWS", "EXPANDABLE_OVERHEAD", "SIZED_BY_KERNEL", "AllocatorMeter", "as_eager_storage", "allocator_limit", "block_bytes", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "collections_of_new_objects", "device_room",
            "fresh_autocast_cache", "measure_step_peaks", "storage_key", "warm_device_libraries"]
 
 
@@ -51,10 +51,49 @@ step's loss through the backward. Their decompositions, which a fake-tensor run 
 its own: a tied autoencoder whose `mse_loss` ran on 2048 x 128 measured 1 MiB (11 %) over its prediction."""
 
 
+SIZED_BY_KERNEL = frozenset({"mkldnn_rnn_layer"})
+"""Ops whose meta function gives an output of the wrong size: the CPU LSTM layer's workspace, which its
+backward keeps, is empty there. oneDNN sizes it (padded to 4 KiB pages, 16 MB for 32 x 128 tokens of a 64-wide
+LSTM, where the layer's output is 1 MB): an LSTM language model's plan was predicted at half its peak."""
+
+_KERNEL_RUNS: dict[tuple, tuple[int, ...]] = {}  # (op, argument shapes) -> the eager outputs' storage bytes
+
+
+def _kernel_run(func: Any, args: tuple) -> tuple[int, ...]:
+    """Storage bytes of each output of `func` run eagerly on zeros of its arguments' shapes (once per shape,
+    outside every dispatch mode, on the CPU where these kernels are)."""
+
+    def spec(a: Any) -> Any:
+        return ("t", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
+
+    key = (str(func), *(spec(a) for a in args))
+    if key not in _KERNEL_RUNS:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.enable_grad():  # the LSTM's workspace is made only where grad is on
+            real = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+            outs = func(*real)
+            _KERNEL_RUNS[key] = tuple(
+                o.untyped_storage().nbytes() if isinstance(o, torch.Tensor) else 0 for o in pytree.tree_leaves(outs)
+            )
+    return _KERNEL_RUNS[key]
+
+
 def as_eager_storage(func: Any, args: tuple, out: Any) -> Any:
     """`out` of `func` as the eager kernel gives it: a 0-dim view of the unreduced buffer for the ops of
-    `EAGER_REDUCED_VIEWS` (unchanged where its storage already is that large, as on real tensors)."""
+    `EAGER_REDUCED_VIEWS`, outputs of the kernel's own sizes for `SIZED_BY_KERNEL` (unchanged where the storage
+    already is that large, as on real tensors)."""
     name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
+    if name in SIZED_BY_KERNEL and isinstance(out, tuple):
+        if all(isinstance(a, torch.Tensor) and a.device.type == "cpu" or not isinstance(a, torch.Tensor) for a in args):
+            sizes = _kernel_run(func, args)
+            if len(sizes) == len(out):
+                return tuple(
+                    o.new_empty((n // o.element_size(),)) if isinstance(o, torch.Tensor) and o.dim() == 1
+                    and o.untyped_storage().nbytes() < n else o
+                    for o, n in zip(out, sizes)
+                )
+        return out
     if name not in EAGER_REDUCED_VIEWS or not isinstance(out, torch.Tensor) or out.dim() != 0 or len(args) < 2:
         return out
     if not all(isinstance(a, torch.Tensor) for a in args[:2]):
