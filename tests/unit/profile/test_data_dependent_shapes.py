@@ -214,3 +214,23 @@ def test_the_policy_figures_are_counted_past_a_data_dependent_op(make):
     torch.manual_seed(0)
     _, (cached, ops) = fake_cost(make(), inputs(0.5), policy=True)
     assert cached is not None and ops is not None and ops
+
+
+@pytest.mark.slow  # an export capture and two profiles: half a minute on a loaded CPU
+def test_electra_counts_its_masked_loss_as_a_real_step_does():
+    """ELECTRA's discriminator loss indexes its logits with the attention mask (`logits[active_loss]`): an
+    export graph's `aten.index` on a boolean mask, which the bytes pass refused before."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ElectraConfig(vocab_size=256, embedding_size=32, hidden_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, intermediate_size=128)
+    m = transformers.ElectraForPreTraining(cfg)
+    ids = torch.randint(0, 256, (8, 64))
+    example = {"input_ids": ids, "attention_mask": torch.ones(8, 64, dtype=torch.long), "labels": ids % 2}
+    cap = capture(m, example)
+    with rng_preserved():
+        fake, _ = profiler._profile_fake(cap.graph_module, flatten_for_graph(cap.graph_module, cap.args, cap.kwargs),
+                                         FLOPS, torch.device("cpu"), ops_priced=True)
+    real = profiler.profile(cap, FLOPS)
+    assert [s.nbytes for s in fake.storages] == [s.nbytes for s in real.storages]
+    assert any("index_1 (aten.index, 512; the example 512)" in n for n in fake.notes)
