@@ -24,6 +24,9 @@ from .plan_check import (
     check_budget,
     check_figures,
     matching_capture,
+    module_paths,
+    race_granted,
+    race_record,
     refuse_knapsack,
     step_checked,
 )
@@ -407,6 +410,7 @@ class Plan:
             raise InputError("plan.apply: this plan was made with outputs='loss' (the model returning its loss "
                              "alone), which checkpointing the model in place cannot give; use "
                              "plan.rebuild(model, example_inputs), whose module returns the loss alone")
+        loaded = self.problem is None
         if self.problem is None and example_inputs is None:
             checks_agreed(lambda leader: self.check_budget())
         elif self.problem is None:
@@ -421,7 +425,8 @@ class Plan:
                                     offload=self.offload_targets())
                     # the figures are those of the plan's own regions (plan.module), measured again
                     check_measured(self, model, exact, cap.args, cap.kwargs)
-                paths = _module_paths(self, model, allow_over_budget)  # what apply_plan will checkpoint
+                trusted = race_granted(self, model)
+                paths = module_paths(self, model, allow_over_budget, trusted)  # what apply_plan will checkpoint
                 if (leader if check_step is None else check_step) and paths:
                     from .verification import check_loaded_step
 
@@ -433,36 +438,16 @@ class Plan:
             except BaseException:
                 self.problem = None  # refused: the next apply checks again
                 raise
-        return apply_plan(self, model, allow_over_budget=allow_over_budget)
+        # a loaded plan's race record lets a module-level variant past its budget only where measured here
+        trusted = not loaded or (example_inputs is not None and race_granted(self, model))
+        with race_record(self, trusted):
+            return apply_plan(self, model, allow_over_budget=allow_over_budget)
 
     def remove(self, model: torch.nn.Module) -> tuple[str, ...]:
         """Undo `apply`: restore every checkpointed submodule's forward; returns their paths."""
         from .lower.apply import remove_checkpointing
 
         return remove_checkpointing(model)
-
-
-class _Paths(Exception):
-    """The module paths apply_plan would checkpoint, raised from its `check` so that nothing is changed."""
-
-    def __init__(self, paths: list[str]) -> None:
-        super().__init__("module paths")
-        self.paths = paths
-
-
-def _module_paths(plan: Plan, model: torch.nn.Module, allow_over_budget: bool) -> list[str]:
-    """The submodules `apply_plan` checkpoints for `plan` on `model` (its own errors as it raises them),
-    found without changing the model: the same choice runs again when the plan is applied."""
-    from .lower.apply import apply_plan
-
-    def stop(paths: list[str]) -> None:
-        raise _Paths(list(paths))
-
-    try:
-        apply_plan(plan, model, allow_over_budget=allow_over_budget, check=stop)
-    except _Paths as found:
-        return found.paths
-    return []
 
 
 def _check_regions(raw: list[Any], regions: tuple[Region, ...], num_nodes: int, source: str) -> None:

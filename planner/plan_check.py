@@ -5,8 +5,10 @@ anything changes. (`plan` is a `plan.Plan`, which imports this module.)"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,7 +18,8 @@ from .errors import CaptureError, InputError, PlanMismatchError
 from .plan_summary import fmt_bytes
 
 __all__ = ["FIGURE_TOLERANCE", "graph_fingerprint", "fingerprint_of", "refuse_knapsack", "as_made_for",
-           "matching_capture", "check_figures", "check_budget", "ranks_here", "step_checked", "several_ranks"]
+           "matching_capture", "check_figures", "check_budget", "race_granted", "race_record", "module_paths",
+           "ranks_here", "step_checked", "several_ranks"]
 
 FIGURE_TOLERANCE = 0.01
 """How far (a fraction) a loaded plan's recorded peaks may be from their re-simulation on the model."""
@@ -264,6 +267,14 @@ def check_budget(plan: Any, fixed_bytes: int = 0, *, device_type: str | None = N
         )
 
 
+def race_granted(plan: Any, model: torch.nn.Module) -> bool:
+    """Whether a loaded plan's race record may let it past its budget by the margin: it names these regions
+    as chosen and fitting, and the plan's measured peak, within the budget, is measured again on `model`."""
+    from .lower.apply import measured_fit
+
+    return measured_fit(plan, plan.spans()) and _measured_here(plan, _device_type(model))
+
+
 def _measured_here(plan: Any, device_type: str | None) -> bool:
     """Whether the plan's measured peak is within its budget and will be measured again on this model:
     recorded on this kind of device (`stats.verify.device`), which `check_measured` re-measures."""
@@ -271,7 +282,7 @@ def _measured_here(plan: Any, device_type: str | None) -> bool:
     record = plan.stats.get("verify")
     recorded_on = record.get("device") if isinstance(record, dict) else None
     return (device_type is not None and device_type != "meta" and recorded_on == device_type
-            and measured is not None and measured <= plan.budget_bytes)
+            and measured is not None and plan.budget_bytes is not None and measured <= plan.budget_bytes)
 
 
 def _device_type(model: torch.nn.Module) -> str:
@@ -326,6 +337,43 @@ def _check_offload_bytes(plan: Any, problem: Any) -> None:
                 f"plan offloaded: {len(plan.offloaded)} activations copy {fmt_bytes(total)} ({total} bytes) to host "
                 f"memory, over {what} ({limit} bytes); re-plan with optimize() or `ckpt-planner plan`"
             )
+
+
+class _Paths(Exception):
+    """The module paths apply_plan would checkpoint, raised from its `check` so that nothing is changed."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__("module paths")
+        self.paths = paths
+
+
+def module_paths(plan: Any, model: torch.nn.Module, allow_over_budget: bool, trusted: bool) -> list[str]:
+    """The submodules `apply_plan` checkpoints for `plan` on `model` (its own errors as it raises them),
+    found without changing the model: the same choice runs again when the plan is applied."""
+    from .lower.apply import apply_plan
+
+    def stop(paths: list[str]) -> None:
+        raise _Paths(list(paths))
+
+    try:
+        with race_record(plan, trusted):
+            apply_plan(plan, model, allow_over_budget=allow_over_budget, check=stop)
+    except _Paths as found:
+        return found.paths
+    return []
+
+
+@contextlib.contextmanager
+def race_record(plan: Any, trusted: bool) -> Iterator[None]:
+    """`plan` as apply_plan judges it: without its race record (`stats.autotune`, which lets a plan over its
+    budget by less than the margin through) unless `trusted`: made in this process, or measured here."""
+    stats = plan.stats
+    if not trusted and "autotune" in stats:
+        plan.stats = {k: v for k, v in stats.items() if k != "autotune"}
+    try:
+        yield
+    finally:
+        plan.stats = stats
 
 
 def fingerprint_of(cap: Any) -> str:

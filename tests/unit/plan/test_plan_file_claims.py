@@ -160,3 +160,26 @@ def test_a_plan_claiming_what_it_is_not_exits_2_on_the_command_line(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and said in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_forged_race_record_does_not_let_an_over_budget_module_level_variant_through(tmp_path):
+    """Greedy's regions split blocks: applied in place, the nearest whole-module plan is over the budget and
+    refused. A record naming that variant as chosen and fitting (nothing measured) must not change that."""
+    from ckpt_planner import InfeasibleBudgetError, Planner, ProfileConfig
+    from ckpt_planner.lower.apply import module_aligned
+
+    model, inputs = LOCAL["mlp"]()
+    planner = Planner(model, inputs, profile_config=ProfileConfig(warmup=0, repeats=1, flop_times=True))
+    base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
+    plan = planner.plan(budget_bytes=fixed + (base - fixed) * 6 // 10, solver="greedy", autotune=False)
+    used, _, misaligned = module_aligned(plan.problem, model, plan.spans(), plan.budget_bytes)
+    assert misaligned and simulate(plan.problem, used).peak_bytes > plan.budget_bytes  # the variant is over
+    data = plan.to_dict()
+    data["stats"]["autotune"] = {"candidates": [{"label": "greedy plan", "chosen": True, "fits": True,
+                                                 "regions": [list(r) for r in used]}]}
+    path = tmp_path / "forged.json"
+    path.write_text(json.dumps(data))
+    fresh, _ = LOCAL["mlp"]()
+    with pytest.raises(InfeasibleBudgetError):
+        Plan.load(path).apply(fresh, inputs)
+    assert checkpointed_modules(fresh) == ()
