@@ -117,6 +117,20 @@ def _single_layer(mod: torch.nn.Module) -> bool:
     return not any(True for _ in mod.children()) and type(mod).__module__.startswith("torch.nn.")
 
 
+# A captured piece is one graph in place of its module: a hook on the module or on one inside it would
+# never run again (transformers collects MoE router logits, hidden states and attentions by forward hooks
+# on module classes, and its loss reads what they collect).
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hooked(mod: torch.nn.Module) -> str | None:
+    """The path (relative to `mod`, '' for itself) of the first module in `mod` that carries a hook, else None."""
+    for path, sub in mod.named_modules():
+        if any(getattr(sub, name, None) for name in _HOOKS):
+            return path
+    return None
+
+
 def find_pieces(
     model: torch.nn.Module, args: tuple, kwargs: dict, *, method: str = "auto"
 ) -> tuple[list[tuple[str, Capture]], list[str]]:
@@ -141,6 +155,11 @@ def find_pieces(
                 continue
             if _single_layer(child):
                 left_out.append(path)
+                continue
+            hooked = _hooked(child)
+            if hooked is not None:  # its hooks run only where the module's own code runs
+                left_out.append(f"{path} (own code: hooks on {f'{path}.{hooked}' if hooked else path})")
+                visit(path + ".", child)
                 continue
             try:
                 pieces.append((path, capture(child, calls[path], method=method)))
