@@ -19,8 +19,8 @@ from .rules import MIN_BAND, Candidate
 __all__ = ["MAX_CANDIDATES", "RUNNERS_UP", "candidate", "candidates", "explicit_variants", "runner_up_plans"]
 
 MAX_CANDIDATES = 3
-"""Plans measured at most: the solver's, the best hand-written one and the best of another solver (a fourth,
-the next best predicted, is one of these kinds again and cost the Quickstart 1.6 s)."""
+"""Plans measured at most: the solver's, the best hand-written one and the best of another solver (a fourth is
+one of these kinds again, and costs steps without changing the answer)."""
 RUNNERS_UP = ("dp", "greedy", "uniform")
 """Solvers whose plans stand beside the solver's own (cheap to run once more)."""
 

@@ -31,8 +31,7 @@ AUTOTUNE_STEPS = 30
 MAX_ROUNDS = 3
 """Timed rounds at most, however few candidates race: a field of two gets the rounds a field of four does,
 not the whole cap (the noise of a fastest step does not depend on how many plans share the race). Three
-fastest-of-three steps tell apart what this project's 2-core CPU can tell apart at all (its noise band is 3-5 %
-of a step); a fourth round cost the Quickstart 2 s of its 15."""
+fastest-of-three steps tell apart what a loaded CPU can tell apart at all (its noise band is 3-5 % of a step)."""
 MIN_BAND, MAX_BAND = 0.01, 0.05
 """The noise band (a fraction of a step) is the rounds' own paired spread, held between these."""
 LEAVE_AFTER = 2
@@ -97,8 +96,7 @@ def race_steps(steps: int, planning_s: float, step_s: float) -> int:
     """The model steps the default race may run: `steps`, but no more steps of `step_s` seconds than the
     planning before the race took (`planning_s`: capture, profile, solve, check), so that the race at most
     doubles the time to a plan. The steps a race needs grow with the model's step, the rest of planning
-    less (identical stages are measured once): a 24-layer Llama's race took 30 s of its 51, the 4-layer
-    one's 6.7 of 14. At least one, so that a choice kept in the timing store is still read back (a race
+    less (identical stages are measured once). At least one, so that a choice kept in the timing store is still read back (a race
     with no room for two candidates is skipped, and says so in its record)."""
     if steps <= 0 or step_s <= 0:
         return steps
