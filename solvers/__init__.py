@@ -7,10 +7,11 @@
 # Importing a solver's module registers it (`registry.register`).
 from . import auto  # noqa: F401
 from .exact import bruteforce, dp, ilp, ilp_offload  # noqa: F401
+from .figures import SimResult
 from .heuristics import basic, greedy, selective, structured  # noqa: F401
 from .problem import Node, Problem, ProblemError, Solution, Storage
 from .registry import SOLVERS, InfeasibleBudgetError, UnknownSolverError, get_solver, register, solve
-from .simulate import SimResult, simulate
+from .simulate import simulate
 from .sweep import knee, sweep
 
 __all__ = [

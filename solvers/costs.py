@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .figures import call_time
 from .plans import normalize_regions, normalize_saved, region_parents
 from .problem import Problem
-from .simulate import call_time
 
 __all__ = ["saver_flags", "grad_bytes_by_step", "recompute_time", "trim_flat_regions"]
 

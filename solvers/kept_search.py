@@ -1,13 +1,14 @@
 """`KeptSearch`: exact figures of one region plan under many sets of kept ops, priced on one layout of
-`simulate`'s interval sweep (`simulate.layout_of`), for the searches over kept ops (`heuristics/selective.py`)."""
+`simulate`'s interval sweep (`figures.layout_of`), for the searches over kept ops (`heuristics/selective.py`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .figures import layout_of
 from .plans import normalize_regions, normalize_saved
 from .problem import Problem
-from .simulate import layout_of, simulate
+from .simulate import simulate
 
 __all__ = ["KeptSearch", "WALK_CELLS"]
 

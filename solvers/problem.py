@@ -365,7 +365,7 @@ class ProblemArrays:
         self.unrecomputable = [0, *itertools.accumulate(int(not node.recomputable) for node in nodes)]
         """Nodes before i that must not run twice."""
         self.layouts: dict[tuple[tuple[int, int], ...], Any] = {}
-        """The simulator's layouts of the last few region plans (`simulate._layout`), most recent last."""
+        """The simulator's layouts of the last few region plans (`figures.layout_of`), most recent last."""
         self.recompute_prefix: list[float] | None = None
         """`costs.recompute_time`'s running sum of recompute seconds with no node kept, once it is made."""
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..costs import recompute_time
+from ..figures import SimResult
 from ..problem import Problem
 from ..registry import SolverResult, register
-from ..simulate import SimResult, simulate
+from ..simulate import simulate
 from .selective import block_regions, refine_saved, selective
 
 __all__ = ["Structured", "structured_plans", "every_n_plans", "structured"]
