@@ -195,6 +195,7 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
     inside, done = [0], [0]  # pieces running now; pieces whose forward has returned
     saved: list[dict[int, int]] = [{} for _ in range(len(pieces) + 1)]  # per stretch: storage address -> bytes
     made = dict.fromkeys(own, 0)  # storages resident already: state, inputs, the pieces' outputs
+    kept: list[Any] = []  # the pieces' outputs' storages, held through the forward
     edges: dict[int, int] = {}
 
     dtypes = autocast_dtypes()
@@ -203,7 +204,8 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not inside[0] and t.device.type != "meta":
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in own and (casts is None or storage_key(t) not in casts.made):
+            # a piece's output is counted alive for the whole step with its piece: not again here
+            if ptr not in made and (casts is None or storage_key(t) not in casts.made):
                 saved[done[0]][ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -224,6 +226,7 @@ def _eager_costs(model: torch.nn.Module, args: tuple, kwargs: dict, pieces: list
         done[0] += 1
         if casts is not None and not inside[0]:
             casts.node = "eager"
+        kept.extend(t.untyped_storage() for t in tensors(out))  # no later tensor takes their addresses
         made.update(dict.fromkeys(t.untyped_storage().data_ptr() for t in tensors(out)))
 
     handles = []

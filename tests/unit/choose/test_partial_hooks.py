@@ -96,3 +96,16 @@ def test_the_loss_reads_what_the_hooks_collect_and_the_plan_is_exact():
     assert report.outputs_equal and report.grads_equal and report.buffers_equal, report
     assert report.max_abs_grad_diff == 0.0
     assert report.measured_peak_bytes <= plan.budget_bytes, report
+
+
+def test_a_piece_output_the_eager_code_saves_is_counted_once():
+    """The head's matmul saves the stack's output for its backward: that storage is counted with the
+    stack, alive for the whole step, and not again as the eager code's saved activation."""
+    from ckpt_planner.choose.partial import _eager_costs
+
+    torch.manual_seed(0)
+    stack, head = nn.Sequential(MLP(32), MLP(32)), nn.Linear(32, 4)
+    model, x = nn.Sequential(stack, head), torch.randn(512, 32)
+    eager = _eager_costs(model, (x,), {}, ["0"])
+    piece_output = 512 * 32 * 4  # bytes, float32
+    assert eager.saved[1] < piece_output, eager  # before: the head's saved input, 65,536 B, counted twice
