@@ -8,7 +8,9 @@ eagerly, as torch.compile does at graph breaks:
 1. One eager forward (no grad) records each submodule's first call.
 2. From the root down, each called submodule is captured with those inputs;
    where it fails, its children are tried. Single torch.nn layers are not
-   tried on their own (nothing to checkpoint inside them).
+   tried on their own (nothing to checkpoint inside them), nor a module that
+   carries a hook or holds one that does (a graph in its place would never run
+   it): its own code runs, and its children are tried.
 3. The pieces' Problems are joined in call order into one Problem, separated
    by a node that cannot be recomputed (no region spans two pieces). What
    runs eagerly between two pieces, or after the last, is that node (or a
