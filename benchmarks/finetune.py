@@ -21,6 +21,17 @@ peak the callback measured on the longest batch against the budget, and the load
 
     python -m benchmarks.finetune --quick     # 30 steps (a smoke run, minutes)
     python -m benchmarks.finetune             # 300 steps; writes benchmarks/results/finetune.json and .md
+
+`--lora` (needs peft: `pip install "ckpt-planner[peft]"`): a 4-layer, 256-wide Llama (vocabulary 8,000)
+under LoRA r=8 on q_proj and v_proj, batch 4, 64-512 tokens padded per batch, the longest batch twice.
+The budget is halfway between the measured peaks of the loop's step at the longest batch without
+checkpointing and with per-layer `gradient_checkpointing_enable()`. Per framework three runs side by
+side (none, per layer, the callback): the longest batch's measured peak against the callback's
+prediction and the budget, losses and weights bitwise against none, the median step against per-layer
+checkpointing's, planning's share of the run and, extrapolated, of a 300-step run. It writes its own
+section of finetune.json / .md and keeps the rest.
+
+    python -m benchmarks.finetune --lora --steps 9
 """
 
 from __future__ import annotations
@@ -406,6 +417,182 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the LoRA case (peft): the Trainer and Lightning beside no checkpointing and per-layer checkpointing ----
+
+LORA_BATCH, LORA_SHORTEST, LORA_LONGEST = 4, 64, 512
+LORA_MODES = ("none", "per-layer", "planned")
+
+
+def lora_model():
+    """A 4-layer, 256-wide Llama (vocabulary 8,000) under LoRA r=8 on q_proj and v_proj."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise SystemExit('the LoRA case needs peft: pip install "ckpt-planner[peft]"') from None
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=1024, use_cache=False)
+    return get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+
+def lora_examples(steps: int) -> list[dict[str, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(LORA_SHORTEST, LORA_LONGEST + 1, (steps * LORA_BATCH,), generator=g).tolist()
+    for k in (steps // 3, 2 * steps // 3):  # the longest batch comes twice: measured, and again after a re-plan
+        lengths[k * LORA_BATCH] = LORA_LONGEST
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g)} for n in lengths]
+
+
+def _per_layer(model) -> None:
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _lora_bounds(conn, threads: int) -> None:
+    """Measured peaks of the loop's step (the logits dropped before the backward) at the longest batch."""
+    import torch
+    from ckpt_planner.integrations.calibrate import measure_peak
+
+    from tests.support.batches import PadPerBatch
+
+    torch.set_num_threads(threads)
+    batch = PadPerBatch()(lora_examples(3)[LORA_BATCH:2 * LORA_BATCH])
+    out = {}
+    for mode in ("none", "per-layer"):
+        model = lora_model().train()
+        if mode == "per-layer":
+            _per_layer(model)
+        out[mode] = measure_peak(model, lambda m=model: m(**batch).loss.backward(), batch)
+    conn.send(out)
+
+
+def _lora_child(conn, framework: str, mode: str, steps: int, threads: int, budget: int, store: str) -> None:
+    os.environ["CKPT_PLANNER_TIMINGS"] = store
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    global qwen2, examples, BATCH, LONGEST
+    qwen2, examples, BATCH, LONGEST = lora_model, lora_examples, LORA_BATCH, LORA_LONGEST  # this process only
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("callback:"):
+                lines.append(record.getMessage())
+
+    log = logging.getLogger("ckpt_planner")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    callback = None
+    if mode == "planned":
+        from ckpt_planner import integrations
+
+        kwargs = {"budget_bytes": budget, "max_length": LORA_LONGEST}
+        callback = (integrations.TrainerPlanCallback(**kwargs) if framework == "trainer"
+                    else integrations.LightningPlanCallback(module="model", **kwargs))
+    elif mode == "per-layer":
+        build = lora_model
+        qwen2 = lambda: (m := build(), _per_layer(m))[0]  # noqa: E731
+    with tempfile.TemporaryDirectory() as out_dir:
+        r = _trainer_run(steps, callback, out_dir) if framework == "trainer" else _lightning_run(steps, callback)
+    ends, start = r["ends"], r["start"]
+    step_s = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    result = {"framework": framework, "mode": mode, "wall_s": r["wall_s"], "losses": r["losses"],
+              "weights": r["weights"], "median_step_s": statistics.median(step_s[1:]), "callback_log": lines}
+    if callback is not None:
+        result.update(planning_s=callback.planning_s, predicted_bytes=callback.predicted_peak_bytes,
+                      measured_bytes=callback.measured_peak_bytes, replans=callback.replans,
+                      notes=list(callback.plan.notes), regions=len(callback.plan.regions),
+                      measurements=[[m.step, str(m.shapes), m.peak_bytes] for m in callback.measurements])
+    conn.send(result)
+
+
+def _spawn(target, *args) -> Any:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    child.close()
+    try:
+        return parent.recv()
+    finally:
+        proc.join()
+
+
+def lora_main(steps: int, threads: int, frameworks: list[str], out: Path, note: str) -> dict[str, Any]:
+    bounds = _spawn(_lora_bounds, threads)
+    budget = (bounds["none"] + bounds["per-layer"]) // 2
+    results: dict[str, Any] = {"steps": steps, "batch": LORA_BATCH, "lengths": [LORA_SHORTEST, LORA_LONGEST],
+                               "threads": threads, "measured_bounds_bytes": bounds, "budget_bytes": budget,
+                               "note": note, "frameworks": {}}
+    for fw in frameworks:
+        runs = {}
+        for mode in LORA_MODES:
+            with tempfile.TemporaryDirectory() as store:
+                runs[mode] = _spawn(_lora_child, fw, mode, steps, threads, budget, store)
+            print(f"{fw} {mode}: {runs[mode]['wall_s']:.0f} s", flush=True)
+        ref, gc, run = runs["none"], runs["per-layer"], runs["planned"]
+        pred, meas = run["predicted_bytes"], run["measured_bytes"]
+        per_step = run["median_step_s"]
+        results["frameworks"][fw] = {
+            "runs": {m: {k: v for k, v in r.items() if k != "losses"} for m, r in runs.items()},
+            "losses_bitwise_vs_none": run["losses"] == ref["losses"] and len(run["losses"]) == steps,
+            "per_layer_losses_bitwise_vs_none": gc["losses"] == ref["losses"],
+            "weights_bitwise_vs_none": run["weights"] == ref["weights"],
+            "prediction_error": (meas - pred) / pred, "within_2pct": abs(meas - pred) <= 0.02 * pred,
+            "within_budget": meas <= budget, "budget_used": meas / budget,
+            "step_vs_per_layer": per_step / gc["median_step_s"],
+            "planning_share_of_run": run["planning_s"] / run["wall_s"],
+            "planning_share_300_steps_extrapolated": run["planning_s"] / (run["planning_s"] + 300 * per_step),
+        }
+    return results
+
+
+def lora_markdown(r: dict[str, Any]) -> str:
+    b = r["measured_bounds_bytes"]
+    lines = [
+        "## LoRA (peft) under the Trainer and Lightning",
+        "",
+        f"`python -m benchmarks.finetune --lora --steps {r['steps']}`: Llama 4 x 256 (vocabulary {VOCAB}) under "
+        f"LoRA r=8 on q_proj, v_proj; batch {r['batch']}, {r['lengths'][0]}-{r['lengths'][1]} tokens padded per "
+        f"batch, the longest batch twice; {r['threads']} torch threads. Budget {_mb(r['budget_bytes'])}: halfway "
+        f"between the measured peaks of the loop's step at the longest batch without checkpointing "
+        f"({_mb(b['none'])}) and with `gradient_checkpointing_enable()` per layer ({_mb(b['per-layer'])}). "
+        "Per framework three runs, each a fresh interpreter: no checkpointing, per layer, and the callback "
+        "(`budget_bytes`, `max_length=512`, default profile with autotune). Step times are medians after the "
+        "first step on a shared 2-core machine (noisy: read the ratio as a rough one); the 300-step planning "
+        "share is extrapolated from the planning seconds and the planned run's median step, not measured.",
+        "",
+        "| framework | predicted (longest) | measured (longest) | error | of budget | losses bitwise | weights "
+        "bitwise | step / per-layer step | planning s | planning % of run | % of 300 steps (extrapolated) | "
+        "re-plans |",
+        "|" + "---|" * 12,
+    ]
+    for fw, x in r["frameworks"].items():
+        run = x["runs"]["planned"]
+        lines.append("| " + " | ".join([
+            fw, _mb(run["predicted_bytes"]), _mb(run["measured_bytes"]), f"{100 * x['prediction_error']:+.1f} %",
+            f"{100 * x['budget_used']:.1f} % ({'within' if x['within_budget'] else 'OVER'})",
+            "yes" if x["losses_bitwise_vs_none"] else "no", "yes" if x["weights_bitwise_vs_none"] else "no",
+            f"{x['step_vs_per_layer']:.2f}", f"{run['planning_s']:.1f}", f"{100 * x['planning_share_of_run']:.1f} %",
+            f"{100 * x['planning_share_300_steps_extrapolated']:.1f} %", str(len(run["replans"])),
+        ]) + " |")
+    for fw, x in r["frameworks"].items():
+        lines += ["", f"{fw}, the plan's notes on the loop:", ""]
+        lines += [f"- {n}" for n in x["runs"]["planned"]["notes"] if "loop" in n or "measured" in n]
+    if r.get("note"):
+        lines += ["", r["note"]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.finetune", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="30 steps (a smoke run); the target is for 300")
@@ -414,9 +601,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, the CPUs))")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--note", default="", help="a line on the machine's state, printed under the tables")
+    ap.add_argument("--lora", action="store_true", help="the LoRA (peft) case; its section replaces the LoRA "
+                    "section of the results and keeps the rest")
     args = ap.parse_args(argv)
     steps = args.steps or (30 if args.quick else 300)
     threads = args.threads or max(1, min(2, os.cpu_count() or 1))
+    if args.lora:
+        lora = lora_main(steps, threads, args.frameworks.split(","), args.out, args.note)
+        path = args.out / "finetune.json"
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results["lora"] = lora
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        text = (markdown(results) + "\n" if "frameworks" in results else "") + lora_markdown(lora)
+        (args.out / "finetune.md").write_text(text)
+        print(lora_markdown(lora))
+        return 0
     import lightning
     import torch
     import transformers
@@ -446,8 +645,11 @@ def main(argv: list[str] | None = None) -> int:
             del k["losses"]
         results["frameworks"][fw] = {"reference": ref, "planned": run, "compare": c}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "finetune.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "finetune.md").write_text(markdown(results))
+    path = args.out / "finetune.json"
+    if path.exists() and "lora" in json.loads(path.read_text()):
+        results["lora"] = json.loads(path.read_text())["lora"]  # the LoRA case's own run (--lora) kept
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "finetune.md").write_text(markdown(results) + ("\n" + lora_markdown(results["lora"]) if "lora" in results else ""))
     print(markdown(results))
     return 0
 
