@@ -205,7 +205,7 @@ def markdown(results: dict[str, Any]) -> str:
     for r in results["runs"]:
         target = TARGETS_S.get(r["label"])
         cells = [r["label"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{target:.0f}" if target else "-",
-                 f"{r['load_start']:.1f}", *(f"{r['stages_s'].get(s, 0.0):.1f}" for s in stages), r["autotune"]]
+                 f"{r['load_start']:.1f}", *(f"{r['stages_s'][s]:.1f}" if s in r["stages_s"] else "-" for s in stages), r["autotune"]]
         lines.append("| " + " | ".join(cells) + " |")
     curves = [r for r in results["runs"] if "curve_s" in r]
     if curves:
