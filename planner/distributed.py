@@ -35,7 +35,7 @@ from .errors import InputError, PlanMismatchError, PlannerError
 from .settings import DistributedConfig
 from .solvers.problem import Problem
 
-__all__ = ["check_sharding", "shard_problem", "planning_is_collective", "plan_collectively", "checks_agreed"]
+__all__ = ["check_sharding", "shard_problem", "rank_problem", "planning_is_collective", "plan_collectively", "checks_agreed"]
 
 _INSIDE = contextvars.ContextVar("ckpt_planner_collective", default=False)
 
@@ -76,6 +76,23 @@ def shard_problem(problem: Problem, model: torch.nn.Module, *, world_size: int, 
         f"fsdp x{world_size}: parameters, gradients and optimizer state counted at 1/{world_size} per rank "
         f"(buffers replicated); the parameters all-gathered for the running unit are not counted"
     ]
+
+
+def rank_problem(cost: Any, model: torch.nn.Module, *, optimizer_bytes: int, world_size: int, sharding: str | None,
+                 d2h_bytes_per_s: float = 0.0, h2d_bytes_per_s: float = 0.0, host_budget_bytes: int = 0,
+                 rank_optimizer_bytes: int | None = None) -> tuple[Problem, list[str]]:
+    """The solvers' problem of one rank, from a profile (`cost`, a profile.graph.CostGraph) of `model`: the
+    one way it is built, for planning (choose/profiled.py) and for checking a loaded plan (plan_check.py).
+    `optimizer_bytes`: the whole model's optimizer state, sharded with the rest; `rank_optimizer_bytes`:
+    one rank's, already sharded (a loaded plan's breakdown), set after sharding in its place. The copy
+    bandwidths (bytes/s) and host budget (bytes) price offloads; 0: none. Returns (problem, notes)."""
+    problem = cost.to_problem(optimizer_bytes=optimizer_bytes, name=type(model).__name__,
+                              d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s,
+                              host_budget_bytes=host_budget_bytes)
+    problem, notes = shard_problem(problem, model, world_size=world_size, sharding=sharding)
+    if rank_optimizer_bytes is not None:
+        problem = replace(problem, optimizer_bytes=int(rank_optimizer_bytes))
+    return problem, notes
 
 
 def planning_is_collective() -> bool:

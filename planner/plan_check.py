@@ -170,10 +170,8 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
     plan runs as the eager module `rebuild` and `apply` give, judged on its eager prediction whatever the
     file says about a compiled step (False only where the caller compiles it, `compile_saved_plan`).
     """
-    import dataclasses
-
     from .capture.own_checkpoint import own_spans
-    from .distributed import shard_problem
+    from .distributed import rank_problem
     from .model_state import ModelState
     from .profile.profiler import ProfileConfig, profile
     from .solvers.plans import normalize_regions
@@ -187,11 +185,13 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
         by_stage = plan.stats.get("profile") == "stages"
         config = ProfileConfig(warmup=0, repeats=1, flop_times=True, bounded=by_stage, meta=cap.as_on_meta)
         cost = profile(cap, config, device=torch.device("meta") if cap.as_on_meta else None)
-    problem = cost.to_problem(name=type(model).__name__)
     world, sharding = ranks_here(plan)
-    problem, _ = shard_problem(problem, model, world_size=world, sharding=sharding)
     optimizer = plan.baseline_breakdown.get("optimizer", plan.breakdown.get("optimizer", 0))
-    problem = dataclasses.replace(problem, optimizer_bytes=int(optimizer or 0))
+    # offloads priced at the bandwidths they were planned at (they change no byte figure); the host
+    # budget as the file records it, which the offloads' bytes, re-derived here, are held to below
+    info = plan.stats.get("offload") if plan.offloaded and isinstance(plan.stats.get("offload"), dict) else {}
+    problem, _ = rank_problem(cost, model, optimizer_bytes=0, world_size=world, sharding=sharding,
+                              rank_optimizer_bytes=int(optimizer or 0), **_copies(info))
     nodes = cost.nodes
     own, _ = own_spans(cap.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes],
                        [n.recomputable for n in nodes])
@@ -200,9 +200,7 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
         if not 0 <= o.storage < len(sources) or tuple(sources[o.storage]) != (o.node, o.output):
             raise PlanMismatchError(f"plan offloaded[{o.storage}]: {o.node} output {o.output} is not that storage "
                                     "of this model's graph; re-plan with optimize() or `ckpt-planner plan`")
-    if plan.offloaded:  # priced at the bandwidths it was planned at (they change no byte figure)
-        info = plan.stats.get("offload") if isinstance(plan.stats.get("offload"), dict) else {}
-        problem = _with_bandwidth(problem, info)
+    if plan.offloaded:
         _check_offload_bytes(plan, problem)
     try:
         spans = normalize_regions(problem, plan.spans())
@@ -397,13 +395,10 @@ def _nested(problem: Any, spans: list[tuple[int, int]]) -> tuple[tuple[int, int]
     return tuple(kept)
 
 
-def _with_bandwidth(problem: Any, info: dict[str, Any]) -> Any:
-    """`problem` with the copy bandwidths and host budget a plan's stats record."""
-    import dataclasses
-
-    values = {k: info[k] for k in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes")
-              if isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)}
-    return dataclasses.replace(problem, **values) if values else problem
+def _copies(info: dict[str, Any]) -> dict[str, Any]:
+    """The copy bandwidths and host budget a plan's `stats.offload` records, as `rank_problem` takes them."""
+    return {k: info[k] for k in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes")
+            if isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)}
 
 
 def several_ranks() -> bool:

@@ -16,7 +16,7 @@ import torch
 from ..capture.frozen import ValueGuard
 from ..capture.own_checkpoint import own_spans
 from ..capture.trace import Capture
-from ..distributed import optimizer_state_bytes, shard_problem
+from ..distributed import optimizer_state_bytes, rank_problem
 from ..lower.apply import whole_module_spans
 from ..lower.chunk import ChunkSpec
 from ..profile.copy_bandwidth import CopyBandwidth, copy_bandwidth, free_host_bytes, offload_note
@@ -170,12 +170,12 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
     bandwidth = copy_bandwidth("meta" if setup.meta or config.meta else cost.device, store=config.timing_store,
                                simulated=setup.offload.bandwidth)
     host = setup.offload.host_budget_bytes(free_host_bytes()) if bandwidth.usable else 0
-    problem = cost.to_problem(optimizer_bytes=optimizer_state_bytes(model, setup.optimizer), name=type(model).__name__,
-                              d2h_bytes_per_s=bandwidth.d2h_bytes_per_s, h2d_bytes_per_s=bandwidth.h2d_bytes_per_s,
-                              host_budget_bytes=host)
-    note = offload_note(bandwidth, host)
     dist = setup.distributed
-    problem, dist_notes = shard_problem(problem, model, world_size=dist.world_size, sharding=dist.sharding)
+    problem, dist_notes = rank_problem(cost, model, optimizer_bytes=optimizer_state_bytes(model, setup.optimizer),
+                                       world_size=dist.world_size, sharding=dist.sharding,
+                                       d2h_bytes_per_s=bandwidth.d2h_bytes_per_s,
+                                       h2d_bytes_per_s=bandwidth.h2d_bytes_per_s, host_budget_bytes=host)
+    note = offload_note(bandwidth, host)
     if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (race/refit.py)
         problem, fit = learned(problem, open_store(cost.device, (setup.profile or ProfileConfig()).timing_store))
         if fit is not None:
