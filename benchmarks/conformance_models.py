@@ -340,9 +340,9 @@ class DiffusionUNet(nn.Module):
         self.out = nn.Sequential(nn.GroupNorm(4, c), nn.SiLU(), nn.Conv2d(c, 3, 3, padding=1))
 
     def embed(self, t):
-        half = self.temb // 2
+        half, dtype = self.temb // 2, self.tmlp[0].weight.dtype  # the model's dtype: it may run in bf16
         freqs = torch.exp(-torch.arange(half, dtype=torch.float32, device=t.device) * (9.21 / half))
-        angles = t.float()[:, None] * freqs[None]
+        angles = (t.float()[:, None] * freqs[None]).to(dtype)
         return self.tmlp(torch.cat([angles.sin(), angles.cos()], dim=1))
 
     def forward(self, x, t, noise):
