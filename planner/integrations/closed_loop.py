@@ -7,7 +7,8 @@ Two corrections, each made between two training steps and never past the budget:
    Problem simulated as the loop runs it gives the difference. A heavier loop (gradients alive through
    accumulation) is planned once more for the budget less it. A lighter one is predicted, not spent: on a
    2-layer Qwen2 fed padded batches, the plan that spent the 1 MB of logits the Trainer drops measured
-   6.83 MB against a 5.95 MB budget, as padded attention saves more than the unpadded batch planned.
+   6.83 MB against a 5.95 MB budget (cause not pinned down); a measurement more than 3 % under the
+   prediction is spent (2. below).
 2. After the planned shape is measured (`note_measured`, `replan_measured`): where the measured peak parts
    from the prediction by more than 3 % either way, the difference is taken as fixed bytes (it does not
    depend on what is recomputed) and the shape is planned once more for the budget less it; the next
@@ -94,8 +95,8 @@ def fit_loop(planner: Any, plan: Any) -> tuple[Any, str]:
     if delta < 0:  # lighter: the saving is predicted, not spent (see the module's docstring)
         line = (f"the loop's step ({planner.loop.describe()}) is predicted {_mb(-delta)} lighter than the captured "
                 f"step's {_mb(held)} for this plan, {_mb(ran)} of the budget's {_mb(budget)}; the plan stays the "
-                "captured step's: a plan that spent the saving was measured over its prediction where batches are "
-                "padded (attention then takes another kernel than on the unpadded batch planned)")
+                "captured step's: a plan that spent such a saving was measured over its budget on padded batches "
+                "(benchmarks/results/finetune.md), so it is spent only once a measurement shows it")
         plan.notes = (*plan.notes, line)
         return plan, line
     new, peak, target, why = replan_within(plan, budget, 0, lambda b: _make_plan(planner, b), _predict(planner))

@@ -52,7 +52,7 @@ class LoopStep:
         if self.accumulating:
             parts.append("gradients alive through the step (accumulation)")
         if self.backward_outside_autocast:
-            parts.append("autocast's casts released at the forward's end (backward outside autocast)")
+            parts.append("the backward outside autocast, where the forward runs under it")
         return "; ".join(parts) or "outputs held through the backward (optimize()'s step)"
 
 
