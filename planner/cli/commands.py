@@ -496,8 +496,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = _check_output(args.output, "output", args=args)
     fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
     loaded_plan = _load_plan(args.plan)
-    if not isinstance(loaded_plan.stats.get("curves"), dict):
-        _report_curves(args, loaded_plan)
+    hint = None if isinstance(loaded_plan.stats.get("curves"), dict) else _report_curves(args, loaded_plan)
     plan = loaded_plan.to_dict()
     bench = None
     if args.bench:
@@ -512,27 +511,30 @@ def cmd_report(args: argparse.Namespace) -> int:
         where = f"plan file {args.plan!r}" + (f" or bench file {args.bench!r}" if args.bench else "")
         raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {_one_line(e)[:120]})") from None
     _write_atomic(out, text)
+    if hint:  # after the write: a failure is one line, the hint comes only with a report
+        _note(args, hint)
     if args.json:
         _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
     _say(args, f"report written to {out}")
     return EXIT_OK
 
 
-def _report_curves(args: argparse.Namespace, plan) -> None:
+def _report_curves(args: argparse.Namespace, plan) -> str | None:
     """The memory/overhead curves for a plan file that has none (`plan` no longer computes them on the way to
     the plan): from MODEL (--model, with the plan's recorded inputs unless --input/--inputs), captured and
-    profiled as `plan` does; a plan made for another graph is refused. Without --model, a note says how."""
+    profiled as `plan` does; a plan made for another graph is refused. Without --model, returns the note
+    that says how."""
     from ..errors import PlanMismatchError
     from ..plan_check import fingerprint_of
     from .report_data import curves_for
 
     if args.model is None:
         if args.curve_points:
-            _note(args, "the plan file has no memory/overhead curve; give the model (--model MODEL) to compute it")
-        return
+            return "the plan file has no memory/overhead curve; give the model (--model MODEL) to compute it"
+        return None
     solvers = _curve_solvers(args)
     if not solvers:
-        return
+        return None
     recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
     optimizer = (recorded or {}).get("optimizer", "none")
     args.optimizer = optimizer if optimizer in ("adamw", "adam", "sgd", "sgd-momentum") else "none"
@@ -545,6 +547,7 @@ def _report_curves(args: argparse.Namespace, plan) -> None:
         with _stage(bar, "memory/overhead curves"):
             plan.stats["curves"] = curves_for(plan, planner.problem, _curve_solvers(args, planner.problem),
                                               args.curve_points)
+    return None
 
 
 # -- export ---------------------------------------------------------------------------------
