@@ -349,6 +349,9 @@ class FirstBatchPlanner:
             self.application.predicted_recompute_s * 1e3,
             "" if self.planning_s is None else f"; planned in {self.planning_s:.1f} s",
         )
+        for line in plan.notes:  # what the race measured against the budget, which the user should see here
+            if line.startswith("autotune:") and "within the budget" in line:
+                _log(logging.WARNING, "%s (the captured step, which holds the outputs: %s)", line, self.loop.describe())
 
     def _whole_modules(self, module: torch.nn.Module, reason: str) -> Applied:
         plan = self.plan

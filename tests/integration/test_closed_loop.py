@@ -185,3 +185,21 @@ def test_the_loops_step_is_predicted_within_3_percent(case) -> None:
             assert len(planner.replans) <= 1 and last.step == 1 + len(planner.replans)
         assert abs(last.peak_bytes - planner.predicted_peak_bytes) <= 0.03 * last.peak_bytes
         assert all(m.peak_bytes <= planner.plan.budget_bytes for m in planner.measurements)
+
+
+def test_the_races_verdict_on_the_budget_reaches_the_callbacks_log(caplog, monkeypatch) -> None:
+    from ckpt_planner.choose.base import BasePlanner
+
+    real = BasePlanner.plan
+    said = "autotune: no candidate measured within the budget; the solver's plan stands"
+
+    def plan(self, **kwargs):
+        p = real(self, **kwargs)
+        p.notes = (*p.notes, said)  # as the race writes it when every candidate measured over the budget
+        return p
+
+    monkeypatch.setattr(BasePlanner, "plan", plan)
+    with caplog.at_level(logging.INFO, logger="ckpt_planner"):
+        _train(_drops_outputs, FirstBatchPlanner(activation_budget=0.75, **PLAN))
+    lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    assert lines and all(line.startswith("callback: ") and "holds the outputs" in line for line in lines)
