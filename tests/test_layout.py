@@ -22,7 +22,7 @@ TREES = {PACKAGE: PLANNER, SOLVERS_PACKAGE: SOLVERS}
 MAX_MODULES = 12
 
 FOUNDATION = {"errors", "model_state", "progress", "settings"}
-LAYERS = {"capture": 1, "lower": 2, "profile": 3, "": 4, "choose": 5, "compile": 6, "api": 7, "cli": 8, "integrations": 8}
+LAYERS = {"capture": 1, "lower": 2, "profile": 3, "": 4, "choose": 5, "compile": 6, "api": 7, "cli": 8, "integrations": 8, "pipeline": 8}
 """Layer of each folder ('' = the plan layer: the other modules at the top of planner/)."""
 SOLVER_LAYERS = {"problem": 0, "plans": 0, "copies": 0, "casts": 0, "figures": 0, "simulate": 0, "kept_search": 0, "costs": 0, "registry": 0, "heuristics": 1, "offload": 1, "exact": 2, "auto": 3, "sweep": 3}
 """Layer of each module or folder of solvers/: the data model and the simulator, the heuristics, the exact

@@ -1,0 +1,156 @@
+"""One pipeline stage planned for the microbatches its schedule holds in flight.
+
+A stage of a `torch.distributed.pipelining` schedule holds, at its peak, `k` microbatches forwarded
+and not yet backwarded (`schedule.in_flight`): `k - 1` of them as what their forward left saved, the
+`k`-th running its full step. Its memory over one step, in bytes:
+
+    fixed:     parameters + their gradients (kept across microbatches) + optimizer state
+    buffers:   the stage's inputs for every microbatch (the first stage's batch, the others' receive
+               buffers, which `PipelineStage` allocates once per microbatch) and, but on the last stage,
+               a gradient receive buffer per microbatch the size of the stage's output; the caller's
+               targets on the last stage (`target_bytes`)
+    held:      (k - 1) x what one microbatch's forward leaves saved under the plan (its output included)
+    running:   one microbatch's step peak under the plan, gradients already made (the steady state)
+    outputs:   on the last stage, the outputs of the microbatches already done, which the schedule
+               keeps to return them at the end of the step, when it concatenates them (twice the bytes)
+
+The held and running figures depend on the plan, so the stage is planned by a search over the budget
+its single-microbatch step is given: the largest inner budget whose plan keeps the whole stage within
+the per-GPU budget, found by bisection on bytes, each probe solved and judged by the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InputError
+from ..solvers.problem import Problem
+from ..solvers.registry import InfeasibleBudgetError, solve
+from ..solvers.simulate import simulate
+from .schedule import in_flight
+
+__all__ = ["StageFigures", "StageSpec", "stage_figures", "per_layer_regions", "search_inner_budget"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a stage sits in its pipeline: what the schedule and the send/receive buffers ask of it."""
+
+    stage: int
+    n_stages: int
+    schedule: type
+    n_microbatches: int
+    input_bytes: int
+    """One microbatch's stage inputs (bytes)."""
+    output_bytes: int
+    """One microbatch's stage output (bytes)."""
+    target_bytes: int = 0
+    """The targets the last stage's loss reads, whole batch (bytes)."""
+    loss_peak_bytes: int = 0
+    """The last stage's loss step on one microbatch's output: the most bytes its forward and backward
+    hold at once beyond the output and the target (measured, `measure_loss`), the output's gradient
+    included."""
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    @property
+    def in_flight(self) -> int:
+        return in_flight(self.schedule, self.n_stages, self.n_microbatches, self.stage)
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """A stage's predicted memory under one plan, by part (bytes), and its recompute (seconds)."""
+
+    peak_bytes: int
+    in_flight: int
+    held_bytes: int
+    """What one microbatch's forward leaves saved (its output included)."""
+    running_peak_bytes: int
+    """One microbatch's step peak with the gradients already made, fixed memory included."""
+    buffer_bytes: int
+    recompute_s: float
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+def steady_problem(problem: Problem) -> Problem:
+    """The step of a microbatch after the first: every parameter gradient already made (fixed memory)."""
+    grads = sum(n.param_grad_bytes for n in problem.nodes)
+    nodes = tuple(dataclasses.replace(n, param_grad_bytes=0) for n in problem.nodes)
+    return dataclasses.replace(problem, nodes=nodes, param_bytes=problem.param_bytes + grads)
+
+
+def stage_figures(problem: Problem, spec: StageSpec, regions=(), saved=()) -> StageFigures:
+    """The stage's peak over a pipeline step when every microbatch runs the plan (regions, saved)."""
+    steady = steady_problem(problem)
+    sim = simulate(steady, regions, saved=saved, timeline=True)
+    forward = [b for phase, _, b in sim.timeline if phase == "forward"]
+    held = (forward[-1] if forward else steady.fixed_bytes) - steady.fixed_bytes
+    k = spec.in_flight
+    # problem.input_bytes is the running microbatch's input: one of the n_microbatches buffers
+    inputs = spec.n_microbatches * spec.input_bytes - problem.input_bytes
+    grad_recv = 0 if spec.is_last else spec.n_microbatches * spec.output_bytes
+    # The gradient of the stage's input, sent back, stays held by its send until the schedule waits on it
+    # after the next backward: two are alive at once (none on the first stage, whose input needs none).
+    grad_send = 0 if spec.stage == 0 else 2 * spec.input_bytes
+    outputs_kept = (spec.n_microbatches - 1) * spec.output_bytes if spec.is_last else 0
+    targets = spec.target_bytes if spec.is_last else 0
+    buffers = inputs + grad_recv + grad_send + targets
+    running = sim.peak_bytes
+    if spec.is_last:
+        # The loss is the schedule's, outside the stage's graph: the profile's own loss (a sum, whose
+        # gradient is an expanded scalar) stands in for it there. Its step's bytes, the output's gradient
+        # included, count on top of the stage's step peak, which follows it at the top of the backward.
+        running += spec.loss_peak_bytes
+    peak = running + (k - 1) * held + buffers + outputs_kept
+    if spec.is_last:  # the step's end: the kept outputs and their concatenation, which the schedule returns
+        peak = max(peak, steady.fixed_bytes + buffers + 2 * spec.n_microbatches * spec.output_bytes)
+    parts = {"running": running, "held": (k - 1) * held, "buffers": buffers, "outputs_kept": outputs_kept}
+    return StageFigures(peak, k, held, running, buffers, sim.recompute_time, parts)
+
+
+def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], ...]:
+    """One region per child of module `prefix` (e.g. 'blocks': blocks.0, blocks.1, ...): per-layer
+    checkpointing, the policy torchtitan and Megatron apply to every stage."""
+    spans: dict[str, list[int]] = {}
+    for i, node in enumerate(problem.nodes):
+        parts = node.module.split(".")
+        head = prefix.split(".")
+        if len(parts) > len(head) and parts[: len(head)] == head:
+            span = spans.setdefault(".".join(parts[: len(head) + 1]), [i, i])
+            span[1] = i
+    return tuple(sorted((a, b) for a, b in spans.values()))
+
+
+def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, solver: str = "auto",
+                        solver_options: dict[str, Any] | None = None, tolerance: int = 1 << 12) -> tuple[int, Any, StageFigures]:
+    """The largest single-microbatch budget whose plan keeps the stage within `budget_bytes`.
+
+    Bisection on bytes between the fixed memory and the budget; each probe is solved and the stage's
+    peak simulated (`stage_figures`). The stage's peak need not be monotone in the inner budget, so
+    every fitting probe is kept and the one with the least recompute returned."""
+    options = dict(solver_options or {})
+    lo, hi = problem.fixed_bytes, budget_bytes
+    best = None
+    while hi - lo > tolerance:
+        mid = (lo + hi) // 2
+        try:
+            sol = solve(problem, mid, solver, **options)
+        except InfeasibleBudgetError:  # no plan this small
+            lo = mid
+            continue
+        figs = stage_figures(problem, spec, sol.regions, sol.saved)
+        if figs.peak_bytes <= budget_bytes:
+            if best is None or figs.recompute_s < best[2].recompute_s:
+                best = (mid, sol, figs)
+            lo = mid
+        else:
+            hi = mid
+    if best is None:
+        raise InputError(f"budget: no plan keeps stage {spec.stage} of {spec.n_stages} ({spec.in_flight} microbatches "
+                         f"in flight under {spec.schedule.__name__}) within {budget_bytes} bytes")
+    return best
