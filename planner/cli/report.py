@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from ..plan_summary import autotune_rows
 from .outputs import printable
 from .report_data import _downsample, curve_data, plan_data, step_overhead, timeline_data  # noqa: F401 - re-exported
 
@@ -367,38 +368,30 @@ def _flat(prefix: str, value: Any) -> list[list[str]]:
     return [[prefix, "(none)" if value is None or value == {} else str(value)]]
 
 
-_AUTOTUNE_HEAD = ["candidate", "chosen", "predicted peak", "measured peak", "fits budget", "predicted extra",
-                  "measured extra", "measured step ms"]
+_AUTOTUNE_HEAD = ["candidate", "chosen", "fits budget", "predicted and measured (as the plan summary)"]
 
 
 def _autotune_rows(plan: dict[str, Any]) -> list[list[str]]:
-    """One row per plan autotune timed (stats["autotune"]), then how the race was run."""
-    rec = plan.get("stats", {}).get("autotune")
+    """One row per plan autotune timed (stats["autotune"]), then how the race was run: the plan summary's own
+    rows (`plan_summary.autotune_rows`), so the chosen row's predicted overhead is the plan's own (its step
+    over eager, the step-time row's figure) and a measured one carries the race's noise band."""
+    stats = plan.get("stats", {})
+    rec = stats.get("autotune")
     if not isinstance(rec, dict):
         return []
+    summary = autotune_rows(stats, float(plan.get("eager_step_s") or 0.0), float(plan.get("graph_overhead_s") or 0.0),
+                            _float_or_none(plan.get("predicted_overhead")))
     if rec.get("skipped"):
-        return [["(not run)", "", "", "", "", "", "", str(rec["skipped"])]]
-    base = rec.get("graph_step_s") or 0.0
-
-    def extra(s: Any) -> str:
-        if s is None:
-            return "-"
-        return f"{100 * float(s) / base:+.1f} %" if base > 0 else f"{1e3 * float(s):+.2f} ms"
-
-    rows = []
-    for c in rec.get("candidates", []):
-        rows.append([
-            str(c.get("label")), "yes" if c.get("chosen") else "", _fmt_bytes(c.get("predicted_peak_bytes")),
-            _fmt_bytes(c.get("measured_peak_bytes")) if not c.get("failed") else "step raised",
-            "yes" if c.get("fits") else "no",
-            extra(c.get("predicted_extra_s")), extra(c.get("measured_extra_s")),
-            f"{1e3 * float(c.get('measured_step_s') or 0.0):.2f}",
-        ])
-    how = ("kept from an earlier run (timing store)" if rec.get("from_store") else
-           f"{rec.get('steps', 0)} model steps, {rec.get('rounds', 0)} rounds, noise band "
-           f"{100 * float(rec.get('band') or 0.0):.1f} %, plain graph {1e3 * float(base):.2f} ms")
-    rows.append(["(race)", "", "", "", "", "", "", how])
+        return [["(not run)", "", "", summary[0][1]]]
+    cands = [c for c in rec.get("candidates", []) if isinstance(c, dict)]  # the summary's rows, one per candidate
+    rows = [[str(c.get("label")), "yes" if c.get("chosen") else "", "yes" if c.get("fits") else "no", text]
+            for c, (_, text) in zip(cands, summary[1:])]
+    rows.append(["(race)", "", "", summary[0][1]])
     return rows
+
+
+def _float_or_none(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) else None
 
 
 def _solver_stats(plan: dict[str, Any]) -> list[list[str]]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from ckpt_planner.cli.commands import main
+from ckpt_planner.cli.report import render
+from ckpt_planner.plan import Plan
 from ckpt_planner.plan_summary import fmt_bytes as _fmt_bytes
 
 FACTORY = '''
@@ -312,17 +314,50 @@ def test_autotune_candidates_are_a_table_of_their_own(made, tmp_path, capsys):
     page.feed(out.read_text())
     table = page.tables["autotune"]
     rows = {r[0]: r for r in table[1:]}
-    assert rows["every_2"][1] == "yes" and rows["auto plan"][1] == ""
-    assert rows["every_2"][3] == _fmt_bytes(1_450_000) and rows["auto plan"][2] == _fmt_bytes(1_500_000)
-    assert rows["every_2"][6] == "+10.0 %" and rows["auto plan"][5] == "+20.0 %"  # of the plain graph's 10 ms
-    assert "25 model steps" in rows["(race)"][7] and "3.0 %" in rows["(race)"][7]
+    assert rows["every_2"][1] == "yes" and rows["auto plan"][1] == "" and rows["auto plan"][2] == "yes"
+    # the measured figure: over the plain graph's 10 ms, with the rounds' noise band
+    assert "measured +10.0 % +/-3.0 %" in rows["every_2"][3] and "measured +20.0 % +/-3.0 %" in rows["auto plan"][3]
+    assert "25 model steps" in rows["(race)"][3] and "3.0 %" in rows["(race)"][3]
     assert not any(r[0].startswith("autotune") for r in page.tables["solver-stats"])
     # a malformed record is one line naming the field
-    cands[0]["measured_step_s"] = "fast"
+    cands[0]["predicted_extra_s"] = "fast"
     src.write_text(json.dumps(plan))
     assert main(["report", str(src), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stats.autotune" in err[0]
+
+
+def test_the_reports_chosen_race_row_reads_the_plan_summarys_figures(made, tmp_path):
+    """The race table's chosen row carries the plan's own predicted overhead over eager (the step-time row's
+    figure), not the candidate's extra over the race's graph step, and the measured one with its noise band:
+    the same text as the plan summary's row, in the HTML and the Markdown page."""
+    plan = json.loads((made / "plan.json").read_text())
+    plan["eager_step_s"], plan["graph_overhead_s"] = 0.020, 0.001  # 20 ms eager, 1 ms of captured graph
+    spans = [[r["start"], r["end"]] for r in plan["regions"]]
+    cands = [
+        {"label": "auto plan", "regions": spans, "saved": [], "predicted_peak_bytes": 1_500_000,
+         "predicted_extra_s": 0.004, "measured_peak_bytes": 1_400_000, "measured_step_s": 0.012,
+         "measured_median_s": 0.013, "measured_extra_s": 0.002, "fits": True, "chosen": True},
+        {"label": "every_2", "regions": spans[:1], "saved": [], "predicted_peak_bytes": 1_600_000,
+         "predicted_extra_s": 0.003, "measured_peak_bytes": 1_450_000, "measured_step_s": 0.011,
+         "measured_median_s": 0.011, "measured_extra_s": -0.0002, "fits": True, "chosen": False},
+    ]
+    plan["stats"]["autotune"] = {"steps": 25, "rounds": 4, "band": 0.03, "seconds": 0.5, "budget_bytes": 1_500_000,
+                                 "graph_step_s": 0.010, "chosen": "auto plan", "candidates": cands,
+                                 "from_store": False}
+    summary = Plan.from_dict(plan)
+    plan["predicted_overhead"] = summary.predicted_overhead  # as a saved plan file carries it
+    lines = summary.summary().splitlines()
+    chosen_line = next(line for line in lines if line.lstrip().startswith("* auto plan"))
+    other_line = next(line for line in lines if line.lstrip().startswith("every_2"))
+    page = Page()
+    page.feed(render(plan))
+    rows = {r[0]: r for r in page.tables["autotune"][1:]}
+    assert rows["auto plan"][1] == "yes" and chosen_line.endswith(rows["auto plan"][3])
+    assert f"predicted {100 * summary.predicted_overhead:+.1f} %" in rows["auto plan"][3]
+    assert "+40.0 %" not in rows["auto plan"][3]  # the race's own figure: 4 ms over its 10 ms graph step
+    assert other_line.endswith(rows["every_2"][3]) and "(within the noise" in rows["every_2"][3]
+    assert "| auto plan | yes | yes | " + rows["auto plan"][3] + " |" in render(plan, fmt="md")
 
 
 def test_the_reports_timeline_is_the_plans_with_the_copy_streams():
