@@ -248,9 +248,10 @@ def module_spans(problem: Problem, model: torch.nn.Module) -> dict[tuple[int, in
         for k in range(1, len(parts) + 1):
             nodes_of.setdefault(".".join(parts[:k]), []).append(i)
     spans: dict[tuple[int, int], str] = {}
+    caching = getattr(getattr(model, "config", None), "use_cache", False) is True
     for path, idx in nodes_of.items():
         mod = modules.get(path)
-        if mod is None or not _checkpointable(mod):
+        if mod is None or not _checkpointable(mod) or (caching and _takes_cache(mod)):
             continue
         lo, hi = idx[0], idx[-1]
         if hi - lo + 1 != len(idx) or not all(problem.nodes[i].recomputable for i in idx):
@@ -259,6 +260,23 @@ def module_spans(problem: Problem, model: torch.nn.Module) -> dict[tuple[int, in
         if best is None or path.count(".") < best.count("."):
             spans[(lo, hi)] = path
     return spans
+
+
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
+def _takes_cache(module: torch.nn.Module) -> bool:
+    """Whether the module's forward is handed the model's key/value cache (transformers' names for it).
+    Run again under checkpoint, it would write its keys and values into the cache a second time (the
+    recompute then reads a cache twice as long), so with the model's config caching it is not
+    checkpointed as eager code; the captured graph's regions recompute without touching the cache."""
+    import inspect
+
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in params for name in _CACHE_ARGS)
 
 
 def _inner(spans: dict[tuple[int, int], str], s: int, e: int) -> list[tuple[int, int]]:
