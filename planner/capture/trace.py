@@ -7,9 +7,10 @@ which handles transformers models. Capture happens in training mode.
 
 A custom `torch.autograd.Function` becomes one graph node that calls its
 `apply`, so its own backward runs (tracing into its forward would give the
-autograd of the forward ops instead). torch.export traces into it; a model
-whose Function calls only export can see is refused rather than planned with
-the wrong gradients.
+autograd of the forward ops instead). Under torch.export the same node is
+made through an opaque operator (functions.py); a Function it cannot stand for
+(one writing in place, or taking a symbolic float) is refused rather than
+planned with the wrong gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, InputError, UnplannableError
 from ..model_state import ModelState
+from .cache_outputs import register_cache_outputs
 from .export_exact import match_eager_attention, recording_mask_skips
+from .functions import function_node, opaque_functions, restore_functions
 from .own_checkpoint import OwnCheckpoint, check_training_graph, recording_checkpoints
 from .shapes import export_dynamic
 
@@ -116,22 +119,6 @@ def _same_outputs(a: Any, b: Any) -> bool:
     return True
 
 
-_APPLY: dict[type, Any] = {}
-
-
-def _function_node(cls: type) -> Any:
-    """The graph target that runs the autograd.Function `cls` (one per class, named after it)."""
-    fn = _APPLY.get(cls)
-    if fn is None:
-
-        def fn(*args: Any, **kwargs: Any) -> Any:
-            return cls.apply(*args, **kwargs)
-
-        fn.__name__ = fn.__qualname__ = f"apply_{cls.__name__}"
-        _APPLY[cls] = fn
-    return fn
-
-
 @contextlib.contextmanager
 def _autograd_functions(on_call) -> Iterator[None]:
     """Within: every `torch.autograd.Function.apply` goes through on_call(cls, apply, args, kwargs)."""
@@ -152,7 +139,7 @@ def _as_node(cls: type, run, args: tuple, kwargs: dict) -> Any:
     proxy = next((a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)), None)
     if proxy is None:
         return run(*args, **kwargs)
-    return proxy.tracer.create_proxy("call_function", _function_node(cls), args, kwargs)
+    return proxy.tracer.create_proxy("call_function", function_node(cls), args, kwargs)
 
 
 MAX_GRAPH_NODES = 50_000
@@ -361,28 +348,22 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str, bui
             reason = _key_line(e)
             # Normal for most library models (transformers): information, with the reason for whoever debugs.
             logger.debug("symbolic_trace failed (%s); capturing with torch.export", reason)
-    seen: list[str] = []
-
-    def note(cls: type, run, a: tuple, k: dict) -> Any:
-        # torch's own Functions (custom ops' registered autograd) stay ops in the exported graph.
-        if not cls.__module__.startswith("torch.") and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((a, k))
-        ):
-            seen.append(f"{cls.__module__}.{cls.__qualname__}")
-        return run(*a, **k)
-
+    register_cache_outputs(model)  # a DynamicCache in the output (cache_outputs.py)
     try:
-        with ModelState(model).preserved(), _autograd_functions(note), recording_mask_skips() as skips:
+        with ModelState(model).preserved(), opaque_functions(_autograd_functions) as functions, \
+                recording_mask_skips() as skips:
             ep, dynamic = export_dynamic(model, args, kwargs)
-        if seen:
+        if functions.error:
             raise CaptureError(
-                f"cannot capture {type(model).__name__}: symbolic_trace: {reason}; torch.export traces into "
-                f"the custom autograd.Function {seen[0]} and would lose its backward (wrong gradients). "
-                "Make the model symbolic-traceable around it (symbolic_trace keeps the Function as one node)"
+                f"cannot capture {type(model).__name__}: symbolic_trace: {reason}; torch.export cannot keep the "
+                f"custom autograd.Function {functions.error}, and tracing into it would lose its backward "
+                "(wrong gradients). Make the model symbolic-traceable around it (symbolic_trace keeps the "
+                "Function as one node)"
             )
         gm = ep.module()
         if len(gm.graph.nodes) > max_graph_nodes():
             raise _too_large(model, max_graph_nodes(), f"torch.export recorded {len(gm.graph.nodes):,}")
+        restore_functions(gm, functions)  # each Function one node again, running its own backward
         _rebind_state(gm, model)
         match_eager_attention(gm, model, skips)  # the attention kernels eager runs (export_exact.py)
         return Capture(gm, "export", reason, args, kwargs, builtin, dynamic_dims=dynamic)

@@ -1,0 +1,61 @@
+"""A causal LM trained with its default `use_cache=True` returns a DynamicCache: captured whole.
+
+Before, torch.export refused the cache in the output ("not a known type"), so such models were
+planned in eager pieces. The captured module returns a DynamicCache holding the same tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_planner.api import Planner
+from ckpt_planner.capture.trace import capture
+from ckpt_planner.lower.apply import module_spans
+from ckpt_planner.profile.profiler import ProfileConfig
+
+transformers = pytest.importorskip("transformers")
+FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs
+
+
+def _bloom():
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=3, n_head=4)
+    assert cfg.use_cache  # the default
+    ids = torch.randint(0, 256, (2, 16))
+    return transformers.BloomForCausalLM(cfg).train(), {"input_ids": ids, "labels": ids}
+
+
+def _step(module, params, kw):
+    for p in params:
+        p.grad = None
+    torch.manual_seed(1)
+    out = module(**kw)
+    out.loss.backward()
+    return out, [p.grad.clone() for p in params]
+
+
+def test_cache_output_captured_whole_and_returned_as_eager_does():
+    model, kw = _bloom()
+    cap = capture(model, kw)
+    assert cap.method == "export"
+    params = list(model.parameters())
+    want, want_grads = _step(model, params, kw)
+    got, got_grads = _step(cap.graph_module, params, kw)
+    assert torch.equal(want.loss, got.loss) and torch.equal(want.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(want_grads, got_grads))
+    cache = got.past_key_values
+    assert type(cache) is type(want.past_key_values) is transformers.DynamicCache
+    assert len(cache.layers) == len(want.past_key_values.layers) == 3
+    for a, b in zip(want.past_key_values.layers, cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert b.keys.shape[-2] == 16  # this step's keys once: nothing appended twice
+
+
+def test_modules_handed_the_cache_are_not_checkpointed_as_eager_code():
+    # Recomputed under checkpoint, a layer handed the cache appends its keys again (a cache of 32
+    # where the step made 16) and its attention fails; the graph's regions recompute without it.
+    model, kw = _bloom()
+    planner = Planner(model, kw, profile_config=FLOPS)
+    paths = set(module_spans(planner.problem, model).values())
+    assert any(p.endswith("mlp") for p in paths)
+    assert not any(p.endswith("self_attention") or p.split(".")[-1].isdigit() for p in paths)
