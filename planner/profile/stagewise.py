@@ -279,6 +279,18 @@ _BACKWARD = "backward of "  # the allocator window of a node's backward step
 _SEEDS = "<the boundary's gradients>"  # the allocator window where the backward's seeds are made
 
 
+def _seed(t: torch.Tensor) -> torch.Tensor:
+    """A boundary output's gradient as the next stage's backward would hand it back: ones, laid out as
+    the ops that make input gradients lay them out (a matmul's or a norm's: contiguous; a convolution's
+    in channels-last where its input was), not with the output's own strides. A transposed output (an
+    LSTM's batch-first [B, T, H], a view of its [T, B, H]) then reaches its op's backward transposed, and
+    the copy that backward makes to read it (1 MB at [32, 128, 64] fp32) is counted, as in the step."""
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    if channels_last is not None and t.is_contiguous(memory_format=channels_last) and not t.is_contiguous():
+        return torch.ones_like(t, memory_format=channels_last)
+    return torch.ones_like(t, memory_format=torch.contiguous_format)
+
+
 def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], meter: AllocatorMeter) -> dict[str, int]:
     """The span's backward from its boundary (gradients of ones, as a summed loss gives), in the meter that
     saw its forward; per node, how far the live tensors rose in its backward step (bytes)."""
@@ -286,7 +298,7 @@ def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any],
     if not roots:
         return {}
     meter.mark(_SEEDS)  # the seeds are no node's: the last node's window closes before them
-    grads = [torch.ones_like(t) for t in roots]
+    grads = [_seed(t) for t in roots]
     mem = LiveMemory()
     mem.track(list(env.values()), grads)
     rise: dict[str, int] = {}
