@@ -353,8 +353,13 @@ class ProblemArrays:
         self.grad_nodes = np.flatnonzero((grad > 0) & (last_consumer > np.arange(n)))
         self.grad_consumer = last_consumer[self.grad_nodes]  # the gradient appears at its last consumer's backward
         self.grad_bytes = grad[self.grad_nodes]
-        self.nonnegative = not any((a < 0).any() for a in (self.temp, self.backward_temp, self.rng, param, grad))
-        """No size is negative: the condition under which the sweep equals the event-by-event replay."""
+        # A backward step may hold less than the replay counts by at most its own output's gradient (bytes):
+        # one passed on unchanged (a residual add's) is counted again as its inputs' (profile/backward.py).
+        own = np.zeros(n, dtype=i64)
+        own[self.grad_nodes] = self.grad_bytes
+        self.nonnegative = not any((a < 0).any() for a in (self.temp, self.rng, param, grad)) and not (
+            self.backward_temp + own < 0).any()
+        """No size is negative beyond that: the condition under which the sweep equals the event-by-event replay."""
         self.cast_bytes = np.array([cast.nbytes for cast in problem.casts], dtype=i64)
         for kind in ("readers", "savers"):  # (node, cast) pairs in node order: node k reads or saves cast c
             pairs = sorted({(k, c) for c, cast in enumerate(problem.casts) for k in getattr(cast, kind)})

@@ -106,7 +106,7 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
 
 def with_backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
     """The cost graph with each node's backward_temp_bytes: what its measured backward step holds
-    beyond the simulator's figure for that step without checkpointing (never below 0).
+    beyond the simulator's figure for that step without checkpointing (below 0 by at most its own gradient).
 
     Gradients do not depend on the plan, so the excess (temporaries, gradient sums, a gradient
     kept alive by views of it) is the same under any plan.
@@ -117,8 +117,14 @@ def with_backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
     for phase, k, total in simulate(cost.to_problem(), (), timeline=True).timeline:
         if phase == "backward":
             sim[k] = max(sim[k], total)
+    # Below the figure by at most the node's own output gradient: a backward that hands its output's gradient
+    # on unchanged (add's to both its inputs, a view's, clone's) makes no new tensor, while the simulator counts
+    # the gradient again for an input from this step on; that input's gradient and the one handed on are one
+    # storage. Freed at the end of the step, the own gradient is the most the step can hold less.
+    consumed = {j for n in cost.nodes for j in n.inputs}
     nodes = tuple(
-        dataclasses.replace(n, backward_temp_bytes=max(0, peaks[n.name] - sim[i])) if n.name in peaks else n
+        dataclasses.replace(n, backward_temp_bytes=max(-(n.grad_bytes if i in consumed else 0), peaks[n.name] - sim[i]))
+        if n.name in peaks else n
         for i, n in enumerate(cost.nodes)
     )
     return dataclasses.replace(cost, nodes=nodes)
