@@ -29,8 +29,6 @@ from .stage import StageFigures, StageSpec, per_layer_regions, search_inner_budg
 
 __all__ = ["StagePlan", "PipelinePlan", "plan_stage", "plan_pipeline", "check_stage_plan"]
 
-RETRIES = 4  # the lowered plan re-solved at a smaller inner budget when its figures miss the stage budget
-
 
 @dataclass
 class StagePlan:
@@ -117,16 +115,15 @@ def plan_stage(module: torch.nn.Module, example_inputs: Any, *, schedule: type, 
                          n_microbatches * _nbytes(target), loss_peak)
         planner = Planner(module, inputs, **setup)
         problem = planner.problem
-        inner, _, _ = search_inner_budget(problem, spec, budget_bytes, solver, solver_options)
-        for _ in range(RETRIES):
-            request = PlanRequest.of(budget_bytes=inner, solver=solver, solver_options=solver_options,
-                                     safety_margin=0.0, autotune=False)
-            plan = planner.plan_for(request)
-            figs = stage_figures(plan.problem, spec, plan.spans(), plan.saved_indices())
-            if figs.peak_bytes <= budget_bytes:
-                break
-            inner -= figs.peak_bytes - budget_bytes  # the lowered plan kept more than the probe: ask for less
-        else:
+        candidates = (per_layer_regions(problem, per_layer),) if per_layer else ()
+        inner, chosen, _ = search_inner_budget(problem, spec, budget_bytes, solver, solver_options, candidates=candidates)
+        # the chosen plan lowered as it is (solver 'pipeline_stage'), at the single-microbatch peak it has
+        request = PlanRequest.of(budget_bytes=chosen.peak_bytes, solver="pipeline_stage", safety_margin=0.0,
+                                 solver_options={"regions": [list(r) for r in chosen.regions], "saved": list(chosen.saved)},
+                                 autotune=False)
+        plan = planner.plan_for(request)
+        figs = stage_figures(plan.problem, spec, plan.spans(), plan.saved_indices())
+        if figs.peak_bytes > budget_bytes:
             raise InputError(f"budget: stage {stage}'s lowered plan peaks at {figs.peak_bytes} bytes, over {budget_bytes}")
     finally:
         _INSIDE.reset(token)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..solvers.problem import Problem
-from ..solvers.registry import InfeasibleBudgetError, solve
+from ..solvers.registry import InfeasibleBudgetError, SolverResult, register, solve
 from ..solvers.simulate import simulate
 from .schedule import in_flight
 
@@ -126,16 +126,45 @@ def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], .
     return tuple(sorted((a, b) for a, b in spans.values()))
 
 
+@register("pipeline_stage")
+def chosen_plan(problem: Problem, budget_bytes: int | None = None, *, regions=(), saved=()) -> SolverResult:
+    """The plan the stage search chose (regions and kept nodes as given), so that the planner lowers it
+    and records it as any other: the search judges plans on the whole stage, which no solver sees."""
+    return SolverResult(regions=tuple(tuple(r) for r in regions), saved=tuple(saved), stats={"pipeline_stage": True})
+
+
 def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, solver: str = "auto",
-                        solver_options: dict[str, Any] | None = None, tolerance: int = 1 << 12) -> tuple[int, Any, StageFigures]:
-    """The largest single-microbatch budget whose plan keeps the stage within `budget_bytes`.
+                        solver_options: dict[str, Any] | None = None, tolerance: int = 1 << 12,
+                        candidates: tuple = ()) -> tuple[int, Any, StageFigures]:
+    """The plan with the least recompute that keeps the whole stage within `budget_bytes`, and the
+    single-microbatch budget it was solved at.
 
     Bisection on bytes between the fixed memory and the budget; each probe is solved and the stage's
-    peak simulated (`stage_figures`). The stage's peak need not be monotone in the inner budget, so
-    every fitting probe is kept and the one with the least recompute returned."""
+    peak simulated (`stage_figures`). A solver minimises one microbatch's peak, not what its forward
+    leaves saved, which the other in-flight microbatches multiply: `candidates` (regions tuples, such as
+    per-layer checkpointing) and the `uniform` solver's plans are judged beside the probes. The stage's
+    peak need not be monotone in the inner budget, so every fitting plan is kept and the best returned."""
     options = dict(solver_options or {})
     lo, hi = problem.fixed_bytes, budget_bytes
     best = None
+
+    def consider(inner: int, sol: Any) -> None:
+        nonlocal best
+        figs = stage_figures(problem, spec, sol.regions, sol.saved)
+        if figs.peak_bytes <= budget_bytes and (best is None or (figs.recompute_s, figs.peak_bytes) <
+                                                (best[2].recompute_s, best[2].peak_bytes)):
+            best = (inner, sol, figs)
+
+    for regions in candidates:
+        consider(simulate(problem, regions).peak_bytes, solve(problem, None, "pipeline_stage", regions=regions))
+    for segments in range(1, 2 * problem.n + 1):  # Chen et al.'s segments, as many as the graph has
+        try:
+            sol = solve(problem, None, "uniform", max_segments=segments)
+        except (ValueError, InfeasibleBudgetError):
+            break
+        consider(sol.peak_bytes, sol)
+        if segments > 64:
+            break
     while hi - lo > tolerance:
         mid = (lo + hi) // 2
         try:
@@ -143,10 +172,9 @@ def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, so
         except InfeasibleBudgetError:  # no plan this small
             lo = mid
             continue
-        figs = stage_figures(problem, spec, sol.regions, sol.saved)
-        if figs.peak_bytes <= budget_bytes:
-            if best is None or figs.recompute_s < best[2].recompute_s:
-                best = (mid, sol, figs)
+        before = best
+        consider(mid, sol)
+        if stage_figures(problem, spec, sol.regions, sol.saved).peak_bytes <= budget_bytes or best is not before:
             lo = mid
         else:
             hi = mid
