@@ -1,0 +1,55 @@
+"""A stage planned for its schedule: the in-flight microbatches' saved bytes count, and the plan file
+records the stage, the schedule and the microbatch count."""
+
+import pytest
+import torch
+from ckpt_planner import Plan, PlanMismatchError, ProfileConfig
+from ckpt_planner.pipeline import check_stage_plan, plan_stage, stage_figures
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+from benchmarks.pipeline import llama_stages
+
+FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs
+
+
+@pytest.fixture(scope="module")
+def first_stage():
+    stages, batch, _ = llama_stages(4, d=16, hidden=32, batch=8, seq=8)
+    return plan_stage(stages[0], (batch[:2],), schedule=Schedule1F1B, n_microbatches=8, stage=0, n_stages=4,
+                      budget_bytes=1 << 30, per_layer="blocks", profile_config=FAST, check_step=False, solver="greedy")
+
+
+def test_each_microbatch_in_flight_adds_what_its_forward_leaves_saved(first_stage):
+    problem, spec = first_stage.plan.problem, first_stage.spec
+    one = stage_figures(problem, spec)  # 1F1B, stage 0 of 4: four in flight
+    gpipe = stage_figures(problem, type(spec)(**{**spec.__dict__, "schedule": ScheduleGPipe}))  # all eight
+    assert one.in_flight == 4 and gpipe.in_flight == 8
+    assert one.held_bytes > 0
+    assert gpipe.peak_bytes - one.peak_bytes == 4 * one.held_bytes
+    # per-layer checkpointing leaves only the blocks' inputs saved: less held per microbatch
+    assert first_stage.per_layer.held_bytes < one.held_bytes
+
+
+def test_plan_file_records_its_stage_and_refuses_another(first_stage, tmp_path):
+    first_stage.plan.save(tmp_path / "stage0.json")
+    loaded = Plan.load(tmp_path / "stage0.json")
+    assert loaded.stats["pipeline"]["stage"] == 0 and loaded.stats["pipeline"]["schedule"] == "Schedule1F1B"
+    assert check_stage_plan(loaded, stage=0, schedule=Schedule1F1B, n_microbatches=8) is loaded
+    with pytest.raises(PlanMismatchError, match="made for stage 0, loaded for stage 1"):
+        check_stage_plan(loaded, stage=1, schedule=Schedule1F1B, n_microbatches=8)
+    with pytest.raises(PlanMismatchError, match="made for schedule 'Schedule1F1B', loaded for schedule 'ScheduleGPipe'"):
+        check_stage_plan(loaded, stage=0, schedule=ScheduleGPipe, n_microbatches=8)
+
+
+def test_a_tighter_budget_recomputes_on_the_stage_that_holds_more():
+    stages, batch, _ = llama_stages(4, d=16, hidden=32, batch=8, seq=8)
+    x = batch[:2]
+    with torch.no_grad():
+        x3 = stages[2](stages[1](stages[0](x)))
+    kw = dict(schedule=Schedule1F1B, n_microbatches=8, n_stages=4, profile_config=FAST, check_step=False, solver="greedy")
+    free = plan_stage(stages[0], (x,), stage=0, budget_bytes=1 << 30, **kw)
+    budget = free.figures.peak_bytes - free.figures.held_bytes  # one in-flight microbatch's saved bytes short
+    tight = plan_stage(stages[0], (x,), stage=0, budget_bytes=budget, **kw)
+    assert tight.figures.peak_bytes <= budget and tight.figures.recompute_s > 0
+    last = plan_stage(stages[3], (x3.requires_grad_(),), stage=3, budget_bytes=budget, **kw)
+    assert last.figures.in_flight == 1 and last.figures.recompute_s == 0
