@@ -267,6 +267,7 @@ def capture_as_on_meta(model: torch.nn.Module, example_inputs: Any = None, *, me
         cap = _capture_call(model, meta_args, meta_kwargs, method)
     gm = cap.graph_module
     _rebind_state(gm, model)
+    _empty_constants_to(gm, device)
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule):
             _retarget_devices(sub, torch.device("meta"), device)
@@ -302,6 +303,22 @@ def _state_on_meta(model: torch.nn.Module, memo: dict[int, torch.Tensor]) -> Ite
     finally:
         for table, name, t in swapped:
             table[name] = t
+
+
+def _empty_constants_to(gm: fx.GraphModule, device: torch.device) -> None:
+    """Put the graph's empty tensor constants (a key/value cache's initial `torch.tensor([])`, lifted by
+    export) on `device`: made on meta they hold no values, so an empty tensor there is the same constant."""
+    state = {id(t) for t in list(gm.parameters()) + list(gm.buffers())}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        *path, leaf = n.target.split(".")
+        mod = gm
+        for p in path:
+            mod = getattr(mod, p, None)
+        value = getattr(mod, leaf, None)
+        if isinstance(value, torch.Tensor) and value.device.type == "meta" and value.numel() == 0 and id(value) not in state:
+            setattr(mod, leaf, torch.empty(value.shape, dtype=value.dtype, device=device))
 
 
 def _retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:

@@ -59,3 +59,16 @@ def test_modules_handed_the_cache_are_not_checkpointed_as_eager_code():
     paths = set(module_spans(planner.problem, model).values())
     assert any(p.endswith("mlp") for p in paths)
     assert not any(p.endswith("self_attention") or p.split(".")[-1].isdigit() for p in paths)
+
+
+def test_cache_output_captured_as_on_meta_runs_on_the_model_device():
+    # The cache's first keys are an empty constant export lifts; made on meta, it is put on the device.
+    from ckpt_planner.capture.trace import capture_as_on_meta
+
+    model, kw = _bloom()
+    cap = capture_as_on_meta(model, kw)
+    params = list(model.parameters())
+    want, want_grads = _step(model, params, kw)
+    got, got_grads = _step(cap.graph_module, params, kw)
+    assert torch.equal(want.loss, got.loss)
+    assert all(torch.equal(a, b) for a, b in zip(want_grads, got_grads))
