@@ -1,6 +1,6 @@
 """Files from elsewhere never run code: each test builds the hostile file and checks that nothing ran.
 
-S1 pickled members in a .pt2 (and pickled models / inputs), S2 apply folders whose
+S1 pickled models / inputs (pickled members of a .pt2: tests/unit/capture/test_pt2_members.py), S2 apply folders whose
 manifest names code or paths outside, S3 a plan that names an inputs file, S4 names
 in Markdown reports, S5 a file named like a factory spec, S6 `apply -o` over a folder
 that is not ours, and a failed final rename.
@@ -13,16 +13,17 @@ import json
 import os
 import pickle
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_planner.cli.commands import main
-from ckpt_planner.cli.loading import load_applied, load_model, model_kind
+from ckpt_planner.cli.loading import load_applied, model_kind
 from ckpt_planner.errors import InputError
 
 from tests.models.examples import MLPChain
+
+from ..capture.pt2_checks import Payload, pickled_weight, rewrite
 
 FACTORY = '''
 import torch
@@ -33,16 +34,6 @@ def make():
     torch.manual_seed(0)
     return MLPChain(d=32, blocks=4), (torch.randn(64, 32),)
 '''
-
-
-class Payload:
-    """Unpickling this creates the marker file: proof that code from the file ran."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def run(argv: list, capsys) -> tuple[int, str, str]:
@@ -57,99 +48,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def clean_pt2(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pt2")
-    torch.manual_seed(0)
-    path = d / "clean.pt2"
-    torch.export.save(torch.export.export(MLPChain(d=32, blocks=4), (torch.randn(64, 32),)), path)
-    return path
-
-
-def rewrite(src: Path, dst: Path, edit) -> None:
-    """Copy a zip member by member; `edit(name_inside_archive, data)` returns the new bytes."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
-        for info in zin.infolist():
-            inner = info.filename.split("/", 1)[1]
-            zout.writestr(info.filename, edit(inner, zin.read(info.filename)))
-
-
-def pickled_weight(marker: Path):
-    def edit(inner: str, data: bytes) -> bytes:
-        if inner == "data/weights/model_weights_config.json":
-            config = json.loads(data)
-            meta = config["config"]["blocks.0.0.weight"]
-            meta["use_pickle"] = True
-            meta["tensor_meta"] = None
-            return json.dumps(config).encode()
-        if inner == "data/weights/weight_0":
-            return pickle.dumps(Payload(marker))
-        return data
-
-    return edit
-
-
-def pickled_sample_inputs(marker: Path):
-    def edit(inner: str, data: bytes) -> bytes:
-        return pickle.dumps(Payload(marker)) if inner == "data/sample_inputs/model.pt" else data
-
-    return edit
-
-
-def pickled_constant(marker: Path):
-    def edit(inner: str, data: bytes) -> bytes:
-        if inner == "data/constants/model_constants_config.json":
-            return json.dumps({"config": {"evil": {"path_name": "tensor_0", "is_param": False, "use_pickle": True,
-                                                   "tensor_meta": None}}}).encode()
-        return data
-
-    return edit
-
-
 # -- S1: .pt2 archives, pickled models and inputs ----------------------------------------------
-
-
-@pytest.mark.parametrize("make_edit", [pickled_weight, pickled_sample_inputs])
-def test_pt2_with_pickled_member_is_refused_and_runs_nothing(clean_pt2, tmp_path, capsys, make_edit):
-    marker = tmp_path / "ran"
-    evil = tmp_path / "evil.pt2"
-    rewrite(clean_pt2, evil, make_edit(marker))
-    out = tmp_path / "plan.json"
-
-    code, stdout, err = run(["plan", evil, "--curve-points", "0", "-o", out], capsys)
-    line = one_line(err)
-    assert code == 2 and "--trust-pickle" in line and "unpickle" in line, line
-    assert not marker.exists() and not out.exists()
-
-    # The file is really hostile: with the user's consent, torch.export.load runs the payload.
-    with pytest.raises(InputError):
-        load_model(str(evil), trust_pickle=True)
-    assert marker.exists()
-
-
-def test_pt2_pickled_constant_and_older_layout_are_listed(clean_pt2, tmp_path):
-    from ckpt_planner.capture.pt2.archive import unsafe_members
-
-    assert unsafe_members(clean_pt2.read_bytes()) == []
-    evil = tmp_path / "const.pt2"
-    rewrite(clean_pt2, evil, pickled_constant(tmp_path / "ran"))
-    assert any("constant 'evil'" in m for m in unsafe_members(evil.read_bytes()))
-    # torch.export.load retries a failed archive as the older layout if a top-level `version` exists
-    legacy = tmp_path / "legacy.pt2"
-    with zipfile.ZipFile(clean_pt2) as zin, zipfile.ZipFile(legacy, "w") as zout:
-        for info in zin.infolist():
-            zout.writestr(info.filename, zin.read(info.filename))
-        zout.writestr("version", "1")
-        zout.writestr("serialized_state_dict.pt", pickle.dumps(Payload(tmp_path / "ran")))
-    assert unsafe_members(legacy.read_bytes())
-    with pytest.raises(InputError, match="--trust-pickle"):
-        load_model(str(legacy))
-    assert not (tmp_path / "ran").exists()
-
-
-def test_clean_pt2_loads_without_trust(clean_pt2):
-    loaded = load_model(str(clean_pt2))
-    assert loaded.kind == "pt2" and loaded.example_inputs[0].shape == (64, 32)
 
 
 def test_pickled_model_and_inputs_never_unpickle_code(tmp_path, capsys, monkeypatch):

@@ -1,34 +1,33 @@
-"""Archives and files built to fool or exhaust the readers: each test crafts the file itself and checks
-the command line's answer (exit 2, one line naming the fault) and that nothing ran or was inflated.
+"""Zip archives built to fool or exhaust the readers (capture/pt2/zipcheck.py, archive.py): each test crafts
+the file itself and checks the answer (exit 2, one line naming the fault) and that nothing ran or was
+inflated.
 
-A zip whose two readers (Python's zipfile, torch's) see different members; data before the first member
-and members that overlap; a member name that is not UTF-8; a nested zip bomb in a .pt2's sample inputs and
-in an --inputs file; a file too large for memory, and a sparse one read in full before any check; a size
-expression whose value no machine can compute; an --input range past int64; a bench file holding a number
-Python refuses to read.
+A zip whose two readers (Python's zipfile, torch's) see different members; data before the first member and
+members that overlap; a member name that is not UTF-8; a zip bomb, and a member whose header lies about its
+size; a nested zip bomb in a .pt2's sample inputs and in an --inputs file; a file too large for memory, and a
+sparse one read in full before any check.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import resource
 import struct
 import subprocess
 import sys
 import zipfile
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from ckpt_planner.capture.pt2 import archive
-from ckpt_planner.capture.pt2.symexpr import ExprError, check_expr
-from ckpt_planner.cli.loading import load_model, make_inputs, parse_input_spec
+from ckpt_planner.cli.loading import load_model
 from ckpt_planner.errors import InputError
 
-from .cli_checks import one_line, run
-from .test_pt2_hostile import clean_pt2, members, with_size_expression, write  # noqa: F401 - clean_pt2 is a fixture
-from .test_security import FACTORY
+from ..cli.cli_checks import one_line, run
+from ..cli.test_security import FACTORY
+from .pt2_checks import members, with_size_expression, write
 
 # -- zips written byte by byte, so that offsets can say what the attacker wants -----------------
 
@@ -91,10 +90,10 @@ def two_faced(shown: bytes, hidden: bytes) -> bytes:
     return hidden_members + shown_members + hidden_cd + shown_cd + end_record(entries, len(hidden_cd), stated)
 
 
-# -- item 1: two readers, one archive ----------------------------------------------------------
+# -- two readers, one archive, and members that are not where they say --------------------------
 
 
-def test_zip_whose_two_readers_disagree_runs_no_code(clean_pt2, tmp_path, capsys):  # noqa: F811
+def test_zip_whose_two_readers_disagree_runs_no_code(clean_pt2, tmp_path, capsys):
     marker = tmp_path / "ran"
     evil = with_size_expression(clean_pt2, tmp_path / "evil.pt2", f"__import__('pathlib').Path({str(marker)!r}).touch() "
                                 "or {hint}")
@@ -116,7 +115,7 @@ def test_zip_whose_two_readers_disagree_runs_no_code(clean_pt2, tmp_path, capsys
     assert not marker.exists(), "the payload ran"
 
 
-def test_data_before_the_first_member_and_overlapping_members_are_refused(clean_pt2, tmp_path, capsys):  # noqa: F811
+def test_data_before_the_first_member_and_overlapping_members_are_refused(clean_pt2, tmp_path, capsys):
     data = clean_pt2.read_bytes()
     body, cd, entries = directory(data)
     junk = b"#!/bin/sh\n" + b"\0" * 990  # offsets all moved to match: both readers would read it alike
@@ -146,7 +145,7 @@ def test_data_before_the_first_member_and_overlapping_members_are_refused(clean_
     assert code == 2 and "overlap" in one_line(err)
 
 
-def test_member_name_that_is_not_utf8_is_one_line(clean_pt2, tmp_path, capsys):  # noqa: F811
+def test_member_name_that_is_not_utf8_is_one_line(clean_pt2, tmp_path, capsys):
     root, files = members(clean_pt2)
     body, cd, entries = directory(zip_of(root, files))
     raw = f"{root}/extra/".encode() + b"\xff\xfe.txt"  # read as cp437 by zipfile, as UTF-8 by torch
@@ -161,7 +160,53 @@ def test_member_name_that_is_not_utf8_is_one_line(clean_pt2, tmp_path, capsys): 
     assert code == 2 and "not UTF-8" in line and "name.pt2" in line, line
 
 
-# -- item 2: nested zip bombs ------------------------------------------------------------------
+# -- zip bombs ------------------------------------------------------------------------------------
+
+
+def bomb(clean: Path, dst: Path, size: int) -> Path:
+    """weight_0, a name the allowlist accepts, deflated from `size` zero bytes."""
+    root, files = members(clean)
+    files.pop("data/weights/weight_0")
+    write(dst, root, files)
+    with zipfile.ZipFile(dst, "a", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        with z.open(f"{root}/data/weights/weight_0", "w", force_zip64=True) as f:
+            zeros = bytes(1 << 20)
+            for _ in range(size >> 20):
+                f.write(zeros)
+    return dst
+
+
+def test_zip_bomb_is_refused_from_its_headers(clean_pt2, tmp_path, capsys):
+    evil = bomb(clean_pt2, tmp_path / "bomb.pt2", 300 << 20)  # 300 MiB of zeros in about 1.4 MB
+    assert evil.stat().st_size < 4 << 20
+    code, err = run(["plan", evil, "--curve-points", "0"], capsys)
+    line = one_line(err)
+    assert code == 2 and "weight_0" in line and "limit" in line, line
+    with pytest.raises(InputError, match="limit"):
+        load_model(str(evil), trust_pickle=True)  # a size limit holds even for a trusted file
+
+
+def test_member_whose_header_lies_about_its_size_is_stopped_while_reading(clean_pt2, tmp_path, capsys):
+    """The graph JSON's headers claim 100 bytes; inflating stops there and the file is refused."""
+    root, files = members(clean_pt2)
+    files["models/model.json"] = files["models/model.json"] + b" " * (8 << 20)
+    path = write(tmp_path / "liar.pt2", root, files, deflated=("models/model.json",))
+    data = bytearray(path.read_bytes())
+    name = f"{root}/models/model.json".encode()
+    for sig, size_at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+        pos = 0
+        while (pos := data.find(sig, pos)) >= 0:
+            start = pos + (30 if sig == b"PK\x03\x04" else 46)
+            if data[start:start + len(name)] == name:
+                data[pos + size_at:pos + size_at + 4] = struct.pack("<I", 100)
+            pos += 4
+    path.write_bytes(bytes(data))
+    with zipfile.ZipFile(path) as z:
+        assert z.getinfo(f"{root}/models/model.json").file_size == 100
+    code, err = run(["plan", path, "--curve-points", "0"], capsys)
+    line = one_line(err)
+    assert code == 2 and "models/model.json" in line, line
+
 
 BOMB_BYTES = 300 << 20  # past the 256 MiB all levels of one archive may inflate together
 
@@ -216,7 +261,7 @@ def torch_loads(monkeypatch) -> list:
     return calls
 
 
-def test_nested_zip_bomb_in_sample_inputs_is_refused_before_torch_load(clean_pt2, tmp_path, capsys, bomb_bytes,  # noqa: F811
+def test_nested_zip_bomb_in_sample_inputs_is_refused_before_torch_load(clean_pt2, tmp_path, capsys, bomb_bytes,
                                                                         torch_loads):
     root, files = members(clean_pt2)
     files["data/sample_inputs/model.pt"] = bomb_bytes
@@ -231,7 +276,7 @@ def test_nested_zip_bomb_in_sample_inputs_is_refused_before_torch_load(clean_pt2
     assert torch_loads == []
 
 
-def test_nested_member_whose_header_lies_is_stopped_while_inflating(clean_pt2, tmp_path):  # noqa: F811
+def test_nested_member_whose_header_lies_is_stopped_while_inflating(clean_pt2, tmp_path):
     root, files = members(clean_pt2)
     files["data/sample_inputs/model.pt"] = torch_save_bomb(8 << 20, declared=16)  # claims the 16 bytes of zeros(4)
     data = write(tmp_path / "liar.pt2", root, files).read_bytes()
@@ -250,7 +295,7 @@ def test_nested_zip_bomb_as_inputs_file_is_refused_before_torch_load(tmp_path, c
     assert torch_loads == [], "torch.load inflated the inputs file"
 
 
-# -- item 3: files larger than memory, and sizes no machine computes --------------------------
+# -- files larger than memory ----------------------------------------------------------------------
 
 
 def test_sparse_10_gib_file_is_refused_without_reading_it(tmp_path):
@@ -275,71 +320,8 @@ def test_sparse_10_gib_file_is_refused_without_reading_it(tmp_path):
         assert any(why in line for why in ("not a zip file", "not a torch.save file", "memory")), line
 
 
-def test_archive_larger_than_memory_allows_is_refused_before_reading(clean_pt2, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_archive_larger_than_memory_allows_is_refused_before_reading(clean_pt2, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(archive, "memory_bytes", lambda: 64 << 10)
     code, err = run(["profile", clean_pt2], capsys)
     line = one_line(err)
     assert code == 2 and "twice that in memory" in line, line
-
-
-def test_size_expression_past_the_magnitude_bound_is_refused(clean_pt2, tmp_path, capsys):  # noqa: F811
-    with pytest.raises(ExprError, match="bits"):
-        check_expr("((((10**64)**64)**64)**64)**64")  # sympy would compute 10**(64**5): it never ends
-    for tower in ("Pow(Pow(s0, 64), 64)", "Mul(" + ", ".join(["s0"] * 80) + ")"):
-        with pytest.raises(ExprError, match="bits"):
-            check_expr(tower)
-    # a tower sympy still computes (in a moment), folded away by `* 0`: refused by its bound, not its value
-    path = with_size_expression(clean_pt2, tmp_path / "tower.pt2", "((10**64)**64) * 0 + {hint}")
-    code, err = run(["profile", path], capsys)
-    line = one_line(err)
-    assert code == 2 and "size expression" in line and "bits" in line, line
-
-
-# -- item 13: numbers past what the readers take -----------------------------------------------
-
-
-def test_input_range_past_int64_is_one_line(tmp_path, capsys):
-    (tmp_path / "factory.py").write_text(FACTORY)
-    model = f"{tmp_path / 'factory.py'}:make"
-    for spec in ("64,32:int64:0-9223372036854775808", "64,32:int64:-9223372036854775809-0"):
-        code, err = run(["profile", model, "--input", spec], capsys)
-        line = one_line(err)
-        assert code == 2 and spec in line and "HIGH <= 9223372036854775807" in line, line
-    # the largest int64 range torch.randint draws from is accepted, exactly (a float would round it up)
-    (x,) = make_inputs([parse_input_spec("4:int64:9223372036854775806-9223372036854775807")])
-    assert x.tolist() == [9223372036854775806] * 4
-
-
-def test_bench_file_with_a_5000_digit_number_is_refused_in_one_line(tmp_path):
-    from ckpt_planner.cli.bench import load_bench_file
-    from ckpt_planner.errors import PlanFileError
-
-    path = tmp_path / "bench.json"
-    path.write_text('{"schema": "ckpt-planner/bench", "version": 1, "rows": [], "budget_bytes": ' + "9" * 5000 + "}")
-    with pytest.raises(PlanFileError, match="bench file .* is not valid JSON") as e:
-        load_bench_file(str(path))
-    assert "\n" not in str(e.value)
-    path.write_text(json.dumps({"schema": "ckpt-planner/bench", "version": 1, "rows": [], "budget_bytes": 2**70}))
-    with pytest.raises(PlanFileError, match="budget_bytes"):
-        load_bench_file(str(path))
-
-
-def test_report_with_a_5000_digit_bench_number_exits_2_in_one_line(tmp_path, capsys):
-    factory = tmp_path / "factory.py"
-    factory.write_text(FACTORY)
-    plan = tmp_path / "plan.json"
-    assert run(["plan", f"{factory}:make", "--activation-budget", "0.8", "-o", plan], capsys)[0] == 0
-    bench = tmp_path / "bench.json"
-    bench.write_text('{"schema": "ckpt-planner/bench", "version": 1, "rows": [], "budget_bytes": ' + "9" * 5000 + "}")
-    code, err = run(["report", plan, "--bench", bench, "-o", tmp_path / "report.html"], capsys)
-    assert code == 2 and "bench file" in one_line(err)
-    assert not (tmp_path / "report.html").exists()
-
-
-@pytest.mark.parametrize("spec", ["64,0", "64,32:float64:0-1"])
-def test_profile_with_inputs_the_model_cannot_take_exits_2_in_one_line(tmp_path, capsys, spec):
-    factory = tmp_path / "factory.py"
-    factory.write_text(FACTORY)
-    code, err = run(["profile", f"{factory}:make", "--input", spec], capsys)
-    line = one_line(err)
-    assert code == 2 and "input" in line, line
