@@ -262,7 +262,7 @@ def module_spans(problem: Problem, model: torch.nn.Module) -> dict[tuple[int, in
     return spans
 
 
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
 def _takes_cache(module: torch.nn.Module) -> bool:

@@ -72,3 +72,24 @@ def test_cache_output_captured_as_on_meta_runs_on_the_model_device():
     got, got_grads = _step(cap.graph_module, params, kw)
     assert torch.equal(want.loss, got.loss)
     assert all(torch.equal(a, b) for a, b in zip(want_grads, got_grads))
+
+
+def test_llama_layers_handed_the_cache_are_not_checkpointed_as_eager_code():
+    # transformers 5 names the argument `cache`: a Llama layer recomputed with it appends its keys again.
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (2, 16))
+    kw = {"input_ids": ids, "labels": ids}
+    planner = Planner(model, kw, profile_config=FLOPS)
+    assert planner.capture.method == "export"
+    paths = set(module_spans(planner.problem, model).values())
+    assert any(p.endswith("mlp") for p in paths)
+    assert not any(p.endswith("self_attn") or p.split(".")[-1].isdigit() for p in paths)
+    params = list(model.parameters())
+    want, want_grads = _step(model, params, kw)
+    got, got_grads = _step(planner.capture.graph_module, params, kw)
+    assert torch.equal(want.loss, got.loss) and all(torch.equal(a, b) for a, b in zip(want_grads, got_grads))
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(want.past_key_values.layers, got.past_key_values.layers))
