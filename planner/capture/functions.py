@@ -81,8 +81,11 @@ def _fake(tensors: list, ints: list, key: int) -> list[torch.Tensor]:
     """The Function's forward on fake tensors, without gradients: its outputs' shapes and dtypes."""
     call = _call_of(key)
     args, kwargs = _inputs(call, tensors, ints)
+    versions = [t._version for t in tensors]
     with torch.no_grad():
         out = call.run(*args, **kwargs)
+    if any(t._version != v for t, v in zip(tensors, versions)):
+        raise Unsupported(f"{call.cls.__qualname__} writes into its input in place")
     leaves, spec = pytree.tree_flatten(out)
     ok = isinstance(out, torch.Tensor) or (
         isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out)
