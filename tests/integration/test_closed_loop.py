@@ -125,6 +125,26 @@ def test_captured_step_lighter_replans_before_it_exceeds_the_budget(caplog) -> N
     assert len(lines) == 1 and "heavier than modelled" in lines[0] and "planned again" in lines[0]
 
 
+def test_a_lighter_loops_saving_is_spent_up_front_within_the_budget(caplog) -> None:
+    """The loop drops the logits (1.0 MB) and the planner is told so: the first plan is made for the loop's
+    step at the budget, each plan tried measured once before it runs, and the first measured step of the
+    planned shape uses the budget without a re-plan."""
+    from ckpt_planner.integrations.loop import LoopStep
+
+    planner = FirstBatchPlanner(activation_budget=0.75, **PLAN)
+    planner.loop = LoopStep(outputs_dropped=True)  # as the callbacks set theirs
+    with caplog.at_level(logging.INFO, logger="ckpt_planner"):
+        _same_training(_drops_outputs, planner)
+    budget = planner.plan.budget_bytes
+    first = planner.measurements[0]
+    assert not planner.replans and first.step == 1
+    assert first.peak_bytes <= budget and first.peak_bytes >= 0.95 * budget  # spent, not left unused
+    assert abs(first.peak_bytes - planner.predicted_peak_bytes) <= 0.02 * first.peak_bytes
+    lines = [r.getMessage() for r in caplog.records if "captured step measured before it ran" in r.getMessage()]
+    assert len(lines) == 1 and "planned again for the captured step at" in lines[0]
+    assert lines[0].removeprefix("callback: ") in planner.plan.notes
+
+
 def test_calibrate_plans_an_optimize_users_step_again() -> None:
     from ckpt_planner import calibrate, optimize
 
