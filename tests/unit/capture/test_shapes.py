@@ -3,12 +3,11 @@ larger ones raise ShapeError or are re-planned per shape; ExportedPrograms are a
 
 import pytest
 import torch
-from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, ShapeError, optimize, verify
+from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ShapeError, optimize, verify
 from ckpt_planner.capture.shapes import ShapeGuard, input_shapes
 
 from tests.models.examples import ResidualCNN
-
-FAST = ProfileConfig(warmup=0, repeats=1)
+from tests.support.profiles import TIMED_ONCE
 
 
 def gpt2(batch: int = 4, seq: int = 48):
@@ -44,7 +43,7 @@ def check_exact_within_budget(model, plan, inputs, *, saves: bool = True):
 @pytest.fixture(scope="module")
 def gpt2_plan():
     model, inputs = gpt2()
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     return model, planner, midway(planner)
 
 
@@ -87,8 +86,8 @@ def test_larger_shape_raises_one_line_shape_error_before_running(gpt2_plan):
 @pytest.mark.slow  # plans twice (two shapes): ~13 s on 2 busy cores
 def test_larger_shape_replanned_once_per_shape_exact_within_budget():
     model, inputs = gpt2(batch=2, seq=32)
-    planner = Planner(model, inputs, profile_config=FAST)
-    big = Planner(model, ids(3, 40), profile_config=FAST)  # the larger shape's own range
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
+    big = Planner(model, ids(3, 40), profile_config=TIMED_ONCE)  # the larger shape's own range
     with pytest.raises(InfeasibleBudgetError) as info:
         big.plan(budget_bytes=1, solver="uniform")
     budget = int(info.value.smallest_bytes + 0.5 * (big.baseline_peak_bytes - info.value.smallest_bytes))
@@ -132,7 +131,7 @@ def test_cnn_smaller_batch_and_image_exact_within_budget(kind):
         x = torch.randn(*shape)
         return {key: x} if key else (x,)
 
-    planner = Planner(model, images(8, 3, 32, 32), profile_config=FAST)
+    planner = Planner(model, images(8, 3, 32, 32), profile_config=TIMED_ONCE)
     assert planner.capture.method == kind and planner.capture.dynamic_dims
     plan = midway(planner)
     assert plan.regions
@@ -170,7 +169,7 @@ def test_exported_program_and_its_module_are_accepted(tmp_path, given):
     torch.export.save(torch.export.export(model, (x,), strict=False), path)
     program = torch.export.load(path)
     target = program if given == "program" else program.module()
-    plan = midway(Planner(target, None if given == "program" else (x,), profile_config=FAST), frac=0.3)
+    plan = midway(Planner(target, None if given == "program" else (x,), profile_config=TIMED_ONCE), frac=0.3)
     assert plan.capture_method == "export" and plan.regions
     module = plan.module._original  # the module the plan was made on (the program's .module())
     report = verify(module, plan, (x,), repeats=1)
@@ -184,7 +183,7 @@ def test_exported_program_and_its_module_are_accepted(tmp_path, given):
 def test_rebuilt_plan_keeps_the_shape_check(tmp_path):
     torch.manual_seed(0)
     model, x = ResidualCNN(c=8, blocks=3), torch.randn(8, 3, 32, 32)
-    plan = midway(Planner(model, (x,), profile_config=FAST))
+    plan = midway(Planner(model, (x,), profile_config=TIMED_ONCE))
     loaded = type(plan).load(plan.save(tmp_path / "plan.json"))
     loaded.rebuild(model, (x,))
     check_exact_within_budget(model, loaded, (torch.randn(4, 3, 24, 24),), saves=False)

@@ -4,11 +4,11 @@ eagerly; gradients equal the model's, the measured peak is within the budget and
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import CaptureError, InfeasibleBudgetError, ProfileConfig, optimize, verify
+from ckpt_planner import CaptureError, InfeasibleBudgetError, optimize, verify
 from ckpt_planner.capture import capture
 from ckpt_planner.choose.partial import PartialPlanner, _eager_costs, _record_calls
 
-FAST = ProfileConfig(warmup=0, repeats=1)
+from tests.support.profiles import TIMED_ONCE
 
 
 class Block(nn.Module):
@@ -43,11 +43,11 @@ class Branchy(nn.Module):
 
 def planned(model, inputs, frac=0.5):
     with pytest.raises(InfeasibleBudgetError) as info:
-        optimize(model, inputs, budget_bytes=1, solver="uniform", profile_config=FAST)
+        optimize(model, inputs, budget_bytes=1, solver="uniform", profile_config=TIMED_ONCE)
     low = info.value.smallest_bytes
-    part = PartialPlanner(model, inputs, profile_config=FAST)
+    part = PartialPlanner(model, inputs, profile_config=TIMED_ONCE)
     budget = int(low + frac * (part.baseline_peak_bytes - low))
-    return optimize(model, inputs, budget_bytes=budget, solver="uniform", profile_config=FAST)
+    return optimize(model, inputs, budget_bytes=budget, solver="uniform", profile_config=TIMED_ONCE)
 
 
 def check(model, plan, inputs):
@@ -99,13 +99,13 @@ def test_wav2vec2_ctc_plans_its_encoder_layers():
     model, inputs = wav2vec2_ctc()
     with pytest.raises(CaptureError):
         capture(model, inputs)
-    part = PartialPlanner(model, inputs, profile_config=FAST)
+    part = PartialPlanner(model, inputs, profile_config=TIMED_ONCE)
     paths = [p.path for p in part.pieces]
     assert any("wav2vec2.encoder".startswith(p) for p in paths), paths  # the encoder stack, or the model around it
     assert part.left_out[0] == "Wav2Vec2ForCTC (own code)" and "lm_head" in part.left_out
     assert part.eager_saved_bytes > 0
     budget = int(0.6 * part.baseline_peak_bytes)
-    plan = optimize(model, inputs, budget_bytes=budget, solver="uniform", profile_config=FAST)
+    plan = optimize(model, inputs, budget_bytes=budget, solver="uniform", profile_config=TIMED_ONCE)
     assert plan.regions and all(r.first_node.startswith("wav2vec2") for r in plan.regions)
     report = check(model, plan, inputs)
     assert report.outputs_equal  # the CTC loss itself, computed eagerly on the planned logits
@@ -118,7 +118,7 @@ def test_wav2vec2_layer_skipped_by_layerdrop_is_still_planned():
     torch.manual_seed(5)
     recorded = _record_calls(model, (), inputs)  # restores the RNG: the planner's recording skips the same
     assert any(f"wav2vec2.encoder.layers.{i}" not in recorded for i in range(3)), "no layer skipped with this seed"
-    part = PartialPlanner(model, inputs, profile_config=FAST)
+    part = PartialPlanner(model, inputs, profile_config=TIMED_ONCE)
     assert [p.path for p in part.pieces if ".layers." in p.path] == [f"wav2vec2.encoder.layers.{i}" for i in range(3)]
 
 
@@ -135,7 +135,7 @@ def test_under_autocast_the_casts_of_the_pieces_and_of_the_eager_code_are_counte
     torch.manual_seed(0)
     model, x = Branchy(d=256), torch.randn(512, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        part = PartialPlanner(model, (x,), profile_config=FAST)
+        part = PartialPlanner(model, (x,), profile_config=TIMED_ONCE)
         stack = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith("stack.") and p.dim() == 2)
         pieces = sum(c.nbytes for c in part.problem.casts)
         assert stack <= pieces <= stack + sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith("stack."))

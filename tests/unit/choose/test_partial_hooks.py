@@ -4,10 +4,10 @@ hook-free children are captured. transformers collects MoE router logits this wa
 
 import torch
 import torch.nn as nn
-from ckpt_planner import ProfileConfig, optimize, verify
+from ckpt_planner import optimize, verify
 from ckpt_planner.choose.partial import PartialPlanner
 
-FAST = ProfileConfig(warmup=0, repeats=1)
+from tests.support.profiles import TIMED_ONCE
 
 
 class Gate(nn.Module):
@@ -68,7 +68,7 @@ class Routed(nn.Module):
 def test_a_hooked_submodule_is_never_inside_a_piece():
     torch.manual_seed(0)
     model, x = Routed(), torch.randn(128, 16)
-    part = PartialPlanner(model, (x,), profile_config=FAST)
+    part = PartialPlanner(model, (x,), profile_config=TIMED_ONCE)
     paths = [p.path for p in part.pieces]
     assert "stack" not in paths and not any(p.endswith("gate") for p in paths)
     assert paths == [f"stack.{k}.mlp" for k in range(4)]  # the hook-free children are still planned
@@ -80,9 +80,9 @@ def test_the_loss_reads_what_the_hooks_collect_and_the_plan_is_exact():
     torch.manual_seed(0)
     model, x = Routed(), torch.randn(128, 16)
     gates = [block.gate for block in model.stack]
-    part = PartialPlanner(model, (x,), profile_config=FAST)
+    part = PartialPlanner(model, (x,), profile_config=TIMED_ONCE)
     budget = int(part.problem.fixed_bytes + 0.8 * (part.baseline_peak_bytes - part.problem.fixed_bytes))
-    plan = optimize(model, (x,), budget_bytes=budget, solver="dp", profile_config=FAST)
+    plan = optimize(model, (x,), budget_bytes=budget, solver="dp", profile_config=TIMED_ONCE)
     assert plan.capture_method == "partial"
     calls = []
     handle = gates[0].register_forward_hook(lambda m, _a, _o: calls.append(m))

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, UnplannableError, optimize, verify
+from ckpt_planner import InfeasibleBudgetError, InputError, Planner, UnplannableError, optimize, verify
 from ckpt_planner.choose import regions as regions_module
 from ckpt_planner.lower.apply import checkpointed_modules
 from ckpt_planner.solvers import simulate
@@ -18,9 +18,7 @@ from ckpt_planner.verification import default_loss, measure_step
 from torch.utils.checkpoint import checkpoint
 
 from tests.models.small import LOCAL
-
-FAST = ProfileConfig(warmup=0, repeats=1)
-
+from tests.support.profiles import TIMED_ONCE
 
 # -- refusals -------------------------------------------------------------------------------------
 
@@ -29,7 +27,7 @@ FAST = ProfileConfig(warmup=0, repeats=1)
 def test_no_grad_and_inference_mode_are_refused(context):
     model, inputs = LOCAL["mlp"]()
     with context(), pytest.raises(UnplannableError) as info:
-        optimize(model, inputs, activation_budget=0.5, profile_config=FAST)
+        optimize(model, inputs, activation_budget=0.5, profile_config=TIMED_ONCE)
     message = str(info.value)
     assert isinstance(info.value, InputError) and "\n" not in message
     assert "nothing is saved for backward" in message and "outside" in message
@@ -48,7 +46,7 @@ def test_eval_mode_export_is_refused(tmp_path, part):
     torch.export.save(torch.export.export(model, (x,)), tmp_path / "eval.pt2")
     gm = torch.export.load(tmp_path / "eval.pt2").module()
     with pytest.raises(UnplannableError) as info:
-        optimize(gm, (x,), activation_budget=0.5, profile_config=FAST)
+        optimize(gm, (x,), activation_budget=0.5, profile_config=TIMED_ONCE)
     message = str(info.value)
     assert "eval mode" in message and "model.train()" in message and "\n" not in message
     assert ("running statistics" if part == "batchnorm" else "dropout is off") in message
@@ -61,7 +59,7 @@ def test_train_mode_export_is_planned(tmp_path):
     gm = torch.export.load(tmp_path / "train.pt2").module()
     for attr in ("train", "eval"):  # as the CLI's loader does: the graph keeps its mode, the flag is plain
         gm.__dict__.pop(attr, None)
-    plan = optimize(gm, (x,), budget_bytes=10**9, profile_config=FAST)  # fits: a no-op plan, but planned
+    plan = optimize(gm, (x,), budget_bytes=10**9, profile_config=TIMED_ONCE)  # fits: a no-op plan, but planned
     assert plan.predicted_peak_bytes <= 10**9
 
 
@@ -89,21 +87,21 @@ def test_training_export_with_a_frozen_batchnorm_is_not_refused():
 def test_named_smallest_budget_is_accepted_by_a_fresh_call_and_nothing_below(name, solver):
     model, inputs = LOCAL[name]()
     with pytest.raises(InfeasibleBudgetError) as info:
-        optimize(model, inputs, budget_bytes=1, solver=solver, profile_config=FAST)
+        optimize(model, inputs, budget_bytes=1, solver=solver, profile_config=TIMED_ONCE)
     smallest = info.value.smallest_bytes
-    fresh = optimize(model, inputs, budget_bytes=smallest, solver=solver, profile_config=FAST)  # re-timed
+    fresh = optimize(model, inputs, budget_bytes=smallest, solver=solver, profile_config=TIMED_ONCE)  # re-timed
     assert fresh.predicted_peak_bytes <= smallest
     assert smallest <= fresh.baseline_peak_bytes
     kept = [i for r in fresh.regions for i in r.saved_positions]
     assert simulate(fresh.problem, fresh.spans(), saved=kept).peak_bytes == fresh.predicted_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as below:
-        optimize(model, inputs, budget_bytes=int(smallest * 0.99), solver=solver, profile_config=FAST)
+        optimize(model, inputs, budget_bytes=int(smallest * 0.99), solver=solver, profile_config=TIMED_ONCE)
     assert below.value.smallest_bytes == smallest
 
 
 def test_fresh_profiles_give_the_same_bytes():
     model, inputs = LOCAL["tiny_gpt"]()
-    a, b = (Planner(model, inputs, profile_config=FAST).problem for _ in range(2))
+    a, b = (Planner(model, inputs, profile_config=TIMED_ONCE).problem for _ in range(2))
 
     def sizes(p):
         nodes = [(n.name, n.temp_bytes, n.grad_bytes, n.param_grad_bytes, n.backward_temp_bytes) for n in p.nodes]
@@ -126,7 +124,7 @@ class _LSTMNet(nn.Module):
 def test_peak_inside_one_ops_backward_names_the_no_checkpoint_peak():
     torch.manual_seed(0)
     model, x = _LSTMNet(), torch.randn(8, 32, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     base = planner.no_checkpoint_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.plan(budget_bytes=base - 1, solver="auto")
@@ -138,7 +136,7 @@ def test_peak_inside_one_ops_backward_names_the_no_checkpoint_peak():
 
 def test_margin_never_lifts_the_named_budget_above_the_no_checkpoint_peak():
     model, inputs = LOCAL["mlp"]()
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.plan(budget_bytes=1, solver="uniform", safety_margin=0.9)  # a margin far larger than the savings
     assert info.value.smallest_bytes <= planner.no_checkpoint_peak_bytes
@@ -150,7 +148,7 @@ def test_margin_never_lifts_the_named_budget_above_the_no_checkpoint_peak():
 
 def test_regions_moved_after_solving_are_tightened_or_refused(monkeypatch):
     model, inputs = LOCAL["mlp"]()
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     base = planner.no_checkpoint_peak_bytes
     real = regions_module.safe_regions
 
@@ -193,7 +191,7 @@ class _InPlaceResidual(nn.Module):
 def test_plans_of_a_model_with_in_place_writes_fit_their_budget():
     torch.manual_seed(0)
     model, x = _InPlaceResidual(), torch.randn(128, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     base, fixed = planner.no_checkpoint_peak_bytes, planner.problem.fixed_bytes
     notes = []
     for frac in (0.5, 0.9, 0.95):
@@ -213,7 +211,7 @@ def test_plans_of_a_model_with_in_place_writes_fit_their_budget():
 
 def test_every_plan_of_one_profile_fits_its_budget():
     model, inputs = LOCAL["cnn"]()  # BatchNorm and in-place ReLU
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.plan(budget_bytes=1, solver="dp")
     low, base = info.value.smallest_bytes, planner.no_checkpoint_peak_bytes
@@ -226,7 +224,7 @@ def test_every_plan_of_one_profile_fits_its_budget():
 
 def test_apply_over_budget_raises_unless_allowed():
     model, inputs = LOCAL["mlp"]()
-    plan = optimize(model, inputs, activation_budget=0.6, solver="uniform", profile_config=FAST)
+    plan = optimize(model, inputs, activation_budget=0.6, solver="uniform", profile_config=TIMED_ONCE)
     tight = dataclasses.replace(plan, budget_bytes=plan.problem.fixed_bytes + 1, module=None)
     with pytest.raises(InfeasibleBudgetError) as info:
         tight.apply(model)
@@ -274,7 +272,7 @@ def _measured(model, x) -> int:
 def test_self_checkpointing_model_is_measured_as_given():
     torch.manual_seed(0)
     model, x = SelfCheckpointing(), torch.randn(256, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     assert len(planner.own_regions) == 2
     given = _measured(model, x)
     assert planner.baseline_peak_bytes < planner.no_checkpoint_peak_bytes
@@ -297,7 +295,7 @@ def test_self_checkpointing_model_is_measured_as_given():
 def test_own_checkpointing_keep_and_default_budget():
     torch.manual_seed(0)
     model, x = SelfCheckpointing(), torch.randn(256, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     with pytest.raises(InfeasibleBudgetError) as info:
         planner.plan(budget_bytes=1, solver="dp", own_checkpointing="keep")
     budget = (info.value.smallest_bytes + planner.baseline_peak_bytes) // 2
@@ -318,7 +316,7 @@ def test_hf_gradient_checkpointing_is_the_baseline():
 
     model, inputs = hf_gpt2()
     model.gradient_checkpointing_enable()
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     assert [c.module for c in planner.capture.own_checkpoints] == ["transformer.h.0", "transformer.h.1"]
     assert len(planner.own_regions) == 2
     params = list(model.parameters())
@@ -343,7 +341,7 @@ def test_hf_activation_checkpointing_every_n_layers_is_seen_per_layer():
     model.activation_checkpointing_enable(every_n_layers=2)
     flagged = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) and n.startswith("transformer.h.")]
     assert flagged == ["transformer.h.0"]
-    planner = Planner(model, inputs, profile_config=FAST)
+    planner = Planner(model, inputs, profile_config=TIMED_ONCE)
     assert [c.module for c in planner.capture.own_checkpoints] == flagged
 
 
@@ -366,7 +364,7 @@ class _BumpsBuffer(nn.Module):
 
 def test_verify_message_names_the_buffers_that_differ():
     model, inputs = LOCAL["cnn"]()
-    plan = optimize(model, inputs, budget_bytes=10**9, profile_config=FAST)
+    plan = optimize(model, inputs, budget_bytes=10**9, profile_config=TIMED_ONCE)
     plan.module = _BumpsBuffer(model)
     report = verify(model, plan, inputs, repeats=1)
     assert report.outputs_equal and report.grads_equal and not report.buffers_equal

@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import ProfileConfig, optimize
+from ckpt_planner import optimize
 from ckpt_planner.profile.memory import storage_key
 
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
+from tests.support.profiles import FLOP_TIMES
+
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # inductor fuses and reorders float math
 
 
@@ -48,7 +49,7 @@ def setup():
     torch.manual_seed(0)
     model = BNChain()
     x = torch.randn(256, 32)
-    plan = optimize(model, (x,), activation_budget=0.85, solver="uniform", profile_config=FAST)
+    plan = optimize(model, (x,), activation_budget=0.85, solver="uniform", profile_config=FLOP_TIMES)
     assert plan.regions
     eager = copy.deepcopy(model)
     eager_saved, eager_grads = _saved_bytes_and_grads(eager, list(eager.parameters()), x)

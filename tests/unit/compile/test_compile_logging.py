@@ -6,12 +6,12 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import ProfileConfig, optimize
+from ckpt_planner import optimize
 from ckpt_planner.compile.compiled import CompiledPlanModule
 
-from .compiled_checks import assert_trains
+from tests.support.profiles import FLOP_TIMES
 
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
+from .compiled_checks import assert_trains
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ class Logs(nn.Module):
 def test_regions_lowering_with_no_regions_compiles_the_graph_of_a_model_that_logs():
     model, x = Logs(), torch.randn(32, 64, 16)
     # A budget the plain step fits: the eager plan has no regions, so its module was the model itself.
-    plan = optimize(model, (x,), activation_budget=1.0, compile=True, lowering="regions", profile_config=FAST)
+    plan = optimize(model, (x,), activation_budget=1.0, compile=True, lowering="regions", profile_config=FLOP_TIMES)
     assert isinstance(plan.module, CompiledPlanModule) and plan.module.eager is not model
     assert plan.measured_peak_bytes <= plan.budget_bytes
     assert not any("plan.module is the model itself" in n for n in plan.notes)
@@ -52,7 +52,7 @@ def test_stock_gpt2_with_labels_plans_compiled_at_a_loose_fraction():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, use_cache=False))
     ids = torch.randint(0, 128, (2, 32))
     plan = optimize(model, {"input_ids": ids, "labels": ids}, activation_budget=0.9, compile=True,
-                    lowering="regions", profile_config=FAST)
+                    lowering="regions", profile_config=FLOP_TIMES)
     assert isinstance(plan.module, CompiledPlanModule)
     assert plan.measured_peak_bytes <= plan.budget_bytes
     out = plan.module(input_ids=ids, labels=ids)

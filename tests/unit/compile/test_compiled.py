@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from ckpt_planner import InfeasibleBudgetError, InputError, Planner, ProfileConfig, optimize
+from ckpt_planner import InfeasibleBudgetError, InputError, Planner, optimize
 from ckpt_planner.compile import compiled as compiled_mod
 from ckpt_planner.compile.compiled import (
     CompiledBudgetError,
@@ -23,9 +23,10 @@ from ckpt_planner.compile.compiled import (
     measure_compiled_step,
 )
 
+from tests.support.profiles import FLOP_TIMES
+
 from .compiled_checks import assert_trains, step_grads
 
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
 TOL = {"rtol": 1e-4, "atol": 1e-6}  # inductor fuses and reorders float math differently per graph
 
 
@@ -55,7 +56,7 @@ def _dynamo_clean():
 def setup():
     model = _model()
     x = torch.randn(32, 64, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=FLOP_TIMES)
     base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
     fixed = planner.problem.fixed_bytes
     return model, x, planner, CompiledPlanner(planner, lowering="regions"), base, fixed
@@ -113,7 +114,7 @@ def scale(monkeypatch):
 
 @pytest.fixture
 def stand_in(scale):
-    return Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FAST), scale
+    return Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FLOP_TIMES), scale
 
 
 def test_over_budget_plan_is_replanned_tighter_until_it_fits(stand_in):
@@ -199,7 +200,7 @@ class Branchy(nn.Module):
 )
 def test_compile_refuses_what_it_cannot_compile_whole_in_one_line(model, kwargs, words):
     with pytest.raises(InputError) as info:
-        optimize(model(), (torch.randn(8, 16),), budget_bytes=10**6, compile=True, profile_config=FAST, **kwargs)
+        optimize(model(), (torch.randn(8, 16),), budget_bytes=10**6, compile=True, profile_config=FLOP_TIMES, **kwargs)
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
@@ -239,7 +240,7 @@ class Logs(nn.Module):
 def test_knapsack_lowering_compiles_the_graph_of_a_model_that_logs(caplog):
     torch.manual_seed(0)
     model, x = Logs(), torch.randn(32, 64, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=FLOP_TIMES)
     plan = CompiledPlanner(planner, lowering="knapsack").plan(budget_bytes=planner.baseline_peak_bytes)
     assert isinstance(plan.module, CompiledPlanModule) and plan.module.eager is not model
     assert plan.measured_peak_bytes <= plan.budget_bytes

@@ -27,9 +27,10 @@ from ckpt_planner.compile.knapsack import (
 )
 from ckpt_planner.profile.profiler import _roofline
 
+from tests.support.profiles import FLOP_TIMES
+
 from .compiled_checks import assert_trains, step_grads
 
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)
 TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 
@@ -141,7 +142,7 @@ def _model() -> nn.Module:
 
 @pytest.fixture
 def stand_in_planner():
-    return Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FAST)
+    return Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FLOP_TIMES)
 
 
 def _fake_plan(planner, measured):
@@ -194,8 +195,8 @@ def test_best_falls_back_to_the_lowering_that_fits(monkeypatch, stand_in_planner
 @pytest.mark.parametrize("call", [
     lambda p: CompiledPlanner(p, lowering="knapsak"),
     lambda p: optimize(_model(), (torch.randn(4, 16),), budget_bytes=10**6, compile=True, lowering="fast",
-                       profile_config=FAST),
-    lambda p: optimize(_model(), (torch.randn(4, 16),), budget_bytes=10**6, lowering="knapsack", profile_config=FAST),
+                       profile_config=FLOP_TIMES),
+    lambda p: optimize(_model(), (torch.randn(4, 16),), budget_bytes=10**6, lowering="knapsack", profile_config=FLOP_TIMES),
     lambda p: CompiledPlanner(p, lowering="knapsack", compile_options={"backend": "aot_eager"}),
 ])
 def test_bad_lowering_is_one_clear_line(call, stand_in_planner):
@@ -230,7 +231,7 @@ def _compiled_case():
     """The model, its input, its planner, the peak of its step compiled without a budget, its fixed bytes."""
     model = _model()
     x = torch.randn(32, 64, 16)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=FLOP_TIMES)
     base = measure_compiled_step(torch.compile(model, fullgraph=True), model, (x,), {})
     return model, x, planner, base, planner.problem.fixed_bytes
 

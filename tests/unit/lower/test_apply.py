@@ -5,15 +5,14 @@ import dataclasses
 
 import pytest
 import torch
-from ckpt_planner import InputError, Plan, PlanMismatchError, ProfileConfig, optimize
+from ckpt_planner import InputError, Plan, PlanMismatchError, optimize
 from ckpt_planner.lower.apply import checkpoint_modules, checkpointed_modules, module_spans, remove_checkpointing
 from ckpt_planner.plan import Region
 from ckpt_planner.solvers import simulate
 from ckpt_planner.verification import default_loss, measure_step
 
 from tests.models.small import LOCAL, hf_bert
-
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
+from tests.support.profiles import FLOP_TIMES
 
 
 def _call(model, inputs):
@@ -49,7 +48,7 @@ def _assert_same_step(a, b):
 def test_apply_is_exact_in_place_and_remove_restores(name):
     model, inputs = LOCAL[name]()
     reference = copy.deepcopy(model)
-    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FAST)
+    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FLOP_TIMES)
     keys = list(model.state_dict())
     params = [id(p) for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -76,7 +75,7 @@ def test_apply_is_exact_in_place_and_remove_restores(name):
 
 def test_module_aligned_plan_is_applied_exactly_and_saves_memory():
     model, inputs = LOCAL["mlp"]()
-    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FAST)
+    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FLOP_TIMES)
     spans = module_spans(plan.problem, model)
     blocks = sorted(sp for sp, path in spans.items() if path.count(".") == 1)  # blocks.0 ... blocks.5
     assert [spans[sp] for sp in blocks] == [f"blocks.{i}" for i in range(6)]
@@ -117,7 +116,7 @@ def test_hooks_fire_once_and_deepcopy_is_independent():
 def test_loaded_plan_applies_recorded_module_paths(tmp_path):
     model, inputs = LOCAL["tiny_gpt"]()
     reference = copy.deepcopy(model)
-    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FAST)
+    plan = optimize(model, inputs, activation_budget=0.85, solver="uniform", profile_config=FLOP_TIMES)
     loaded = Plan.load(plan.save(tmp_path / "plan.json"))
     assert loaded.problem is None
     app = loaded.apply(model)

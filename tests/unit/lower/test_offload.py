@@ -20,14 +20,13 @@ from ckpt_planner.solvers.simulate import simulate
 from ckpt_planner.verification import measure_step_peaks
 
 from tests.models.small import mlp, tiny_gpt
+from tests.support.profiles import FLOP_TIMES_UNSTORED
 from tests.support.steps import compare
-
-FAST = ProfileConfig(flop_times=True, timing_store=False)
 
 
 def planned(make):
     model, x = make()
-    return model, x, Planner(model, x, capture_method="symbolic_trace", profile_config=FAST)
+    return model, x, Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED)
 
 
 def lowerable(problem, storages):
@@ -85,7 +84,7 @@ class Views(nn.Module):
 def test_views_of_an_offloaded_storage_are_copied_once_and_rebuilt():
     torch.manual_seed(0)
     model, x = Views(), torch.randn(8, 16)
-    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FAST)
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED)
     problem = planner.problem
     names = [n.name for n in problem.nodes]
     h = next(t for t, st in enumerate(problem.storages) if names[st.producer] == "lin")
@@ -105,7 +104,7 @@ def test_self_saved_output_is_offloaded():
 
     x = torch.randn(32, 8, requires_grad=True)
     model = Exp()
-    planner = Planner(model, (x,), capture_method="symbolic_trace", profile_config=FAST)
+    planner = Planner(model, (x,), capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED)
     problem = planner.problem
     names = [n.name for n in problem.nodes]
     e = next(t for t, st in enumerate(problem.storages) if names[st.producer] == "exp")
@@ -128,7 +127,7 @@ def test_a_storage_written_in_place_later_is_not_offloaded_and_the_rest_measure_
                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
                           nn.Flatten(), nn.Linear(8 * 8 * 8, 4)).train()
     x = torch.randn(2, 3, 8, 8)
-    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FAST,
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED,
                       offload_bandwidth=(1e12, 1e12), host_budget_gb=1.0)
     problem = planner.problem
     names = [n.name for n in problem.nodes]
@@ -150,7 +149,7 @@ def test_a_storage_written_in_place_later_is_not_offloaded_and_the_rest_measure_
 
 def test_optimize_on_the_cpu_never_offloads_and_says_why():
     model, x = mlp()
-    plan = optimize(model, x, activation_budget=0.5, profile_config=FAST, autotune=False, check_step=False)
+    plan = optimize(model, x, activation_budget=0.5, profile_config=FLOP_TIMES_UNSTORED, autotune=False, check_step=False)
     assert plan.offloaded == ()
     assert any(n.startswith("offload: not considered on the CPU") for n in plan.notes)
     assert plan.problem.d2h_bytes_per_s == 0 and plan.problem.host_budget_bytes == 0
@@ -158,7 +157,7 @@ def test_optimize_on_the_cpu_never_offloads_and_says_why():
 
 def test_simulated_bandwidth_reaches_the_problem():
     model, x = mlp()
-    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FAST,
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED,
                       offload_bandwidth=(2e9, 3e9), host_budget_gb=1.0)
     problem = planner.problem
     assert (problem.d2h_bytes_per_s, problem.h2d_bytes_per_s, problem.host_budget_bytes) == (2e9, 3e9, 10**9)
@@ -170,7 +169,7 @@ def _offload_plan(tmp_path):
     from ckpt_planner.solvers.offload import choose_offloads
 
     model, x = mlp()
-    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FAST,
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED,
                       offload_bandwidth=(1e10, 1e10), host_budget_gb=1.0)
     p = planner.profiled
     problem = p.problem
@@ -244,7 +243,7 @@ def test_cuda_offload_is_exact_and_frees_device_memory():
     torch.manual_seed(0)
     model, x = mlp()
     model, x = model.cuda(), (x[0].cuda(),)
-    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FAST)
+    planner = Planner(model, x, capture_method="symbolic_trace", profile_config=FLOP_TIMES_UNSTORED)
     problem = planner.problem
     kept = lowerable(problem, [t for t, st in enumerate(problem.storages) if st.saved_by and not st.is_output])
     module = rewrite(planner.capture.graph_module, [], model=model, offload=targets_of(problem, kept))
@@ -260,8 +259,8 @@ def test_optimize_on_a_simulated_bandwidth_plans_offloads_end_to_end(tmp_path, m
     model, x = mlp()
     kwargs = dict(profile_config=ProfileConfig(flop_times=True), autotune=False, offload_bandwidth=(1e12, 1e12),
                   host_budget_gb=1.0)
-    plain = Planner(model, x, profile_config=FAST).no_checkpoint_peak_bytes
-    fixed = Planner(model, x, profile_config=FAST).problem.fixed_bytes
+    plain = Planner(model, x, profile_config=FLOP_TIMES_UNSTORED).no_checkpoint_peak_bytes
+    fixed = Planner(model, x, profile_config=FLOP_TIMES_UNSTORED).problem.fixed_bytes
     budget = fixed + (plain - fixed) * 6 // 10
     plan = optimize(model, x, budget_bytes=budget, **kwargs)
     assert plan.offloaded and not plan.regions  # free copies: nothing is worth recomputing
@@ -283,7 +282,7 @@ def test_a_recompute_plan_stored_for_the_graph_is_not_the_answer_where_copies_ar
     without bandwidth must not be returned to the same graph planned with one (and the other way round)."""
     monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
     model, x = mlp()
-    planner = Planner(model, x, profile_config=FAST)
+    planner = Planner(model, x, profile_config=FLOP_TIMES_UNSTORED)
     budget = planner.problem.fixed_bytes + (planner.no_checkpoint_peak_bytes - planner.problem.fixed_bytes) * 6 // 10
     config = ProfileConfig()  # measured times and the timing store: where plans are kept for the next run
     first = optimize(model, x, budget_bytes=budget, profile_config=config, autotune=False)
@@ -303,7 +302,7 @@ def test_prefetches_follow_the_simulated_schedule_and_never_start_sooner():
     from ckpt_planner.solvers import solve
 
     model, x = tiny_gpt()
-    planner = Planner(model, x, profile_config=FAST, offload_bandwidth=(2e9, 2e9), host_budget_gb=1.0)
+    planner = Planner(model, x, profile_config=FLOP_TIMES_UNSTORED, offload_bandwidth=(2e9, 2e9), host_budget_gb=1.0)
     problem = planner.problem
     budget = problem.fixed_bytes + (simulate(problem, ()).peak_bytes - problem.fixed_bytes) * 6 // 10
     solution = solve(problem, budget, "auto")

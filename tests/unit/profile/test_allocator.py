@@ -4,14 +4,13 @@ import dataclasses
 
 import pytest
 import torch
-from ckpt_planner import ProfileConfig
 from ckpt_planner.api import Planner
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile.memory import AllocatorMeter
 from ckpt_planner.solvers import simulate
 from ckpt_planner.verification import verify
 
-FAST = ProfileConfig(warmup=0, repeats=1)
+from tests.support.profiles import TIMED_ONCE
 
 
 class DepthwiseNet(torch.nn.Module):
@@ -84,7 +83,7 @@ OVER = 0.05
 def test_conv_workspace_is_predicted_and_budgeted_on_the_allocator():
     torch.manual_seed(0)
     model, x = DepthwiseNet(), torch.randn(4, 3, 32, 32)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     # the profile carries the convolution's workspace: forward transients beyond any tensor made
     convs = [
         n for n in planner.cost.nodes
@@ -126,7 +125,7 @@ def test_only_random_regions_save_the_rng_state():
 
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(32, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     names = [n.name for n in planner.cost.nodes]
     state = rng_state_bytes(torch.device("cpu"))
     assert state == torch.get_rng_state().numel()  # bytes (uint8)
@@ -163,7 +162,7 @@ def test_a_random_regions_recompute_holds_a_second_rng_state():
 
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(32, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     names = [n.name for n in planner.cost.nodes]
     problem = planner.problem
     regions = [(names.index("a"), names.index("relu"))]  # Linear + dropout + ReLU: its recompute ends saving ReLU's output
@@ -187,7 +186,7 @@ def test_a_random_regions_recompute_holds_a_second_rng_state():
 def test_verify_reports_both_meters(solver):
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(32, 64)
-    planner = Planner(model, (x,), profile_config=FAST)
+    planner = Planner(model, (x,), profile_config=TIMED_ONCE)
     plan = planner.plan(solver=solver, budget_bytes=planner.baseline_peak_bytes)
     report = verify(model, plan, (x,), repeats=1)
     for alloc, live in (

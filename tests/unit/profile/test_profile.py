@@ -12,8 +12,7 @@ from ckpt_planner.profile import profile
 from ckpt_planner.profile.memory import storage_key
 
 from tests.models.small import ALL, HF, LOCAL, DataDependent
-
-FAST = ProfileConfig(warmup=0, repeats=1)
+from tests.support.profiles import TIMED_ONCE
 
 # bert, vit and resnet in the slow run (CI runs both), as in test_end_to_end.py: mlp and cnn (BatchNorm)
 # keep the symbolic_trace path, tiny_gpt and gpt2 the transformer and the export path in the default run.
@@ -64,7 +63,7 @@ def eager_saved_bytes(model, args, kwargs) -> int:
 @pytest.mark.parametrize("name", _models(ALL))
 def test_saved_bytes_equal_eager_hooks(name):
     model, inputs, cap = captured(name)
-    cost = profile(cap, FAST)
+    cost = profile(cap, TIMED_ONCE)
     assert cost.total_saved_bytes == eager_saved_bytes(model, cap.args, cap.kwargs)
     assert cost.total_saved_bytes > 0
     # every saved storage is attributed to exactly one producing node
@@ -97,9 +96,9 @@ def test_untraceable_model_gives_clear_error():
 @pytest.mark.parametrize("name", _models(["mlp", "cnn", "tiny_gpt", "gpt2", "bert", "vit", "resnet"]))
 def test_meta_mode_bytes_equal_real(name):
     model, inputs, cap = captured(name)
-    real = profile(cap, FAST)
+    real = profile(cap, TIMED_ONCE)
     fake = profile(cap, ProfileConfig(meta=True))
-    assert fake.time_source == "flops" and real.time_source == ("fitted" if FAST.anchor else "measured")
+    assert fake.time_source == "flops" and real.time_source == ("fitted" if TIMED_ONCE.anchor else "measured")
     assert len(real.nodes) == len(fake.nodes)
     assert [(n.name, n.out_bytes, n.grad_bytes, n.param_grad_bytes) for n in real.nodes] == [
         (n.name, n.out_bytes, n.grad_bytes, n.param_grad_bytes) for n in fake.nodes
@@ -111,7 +110,7 @@ def test_meta_mode_bytes_equal_real(name):
 
 def test_profile_records_modules_flops_and_times():
     model, inputs = LOCAL["tiny_gpt"]()
-    cost = profile(capture(model, inputs), FAST)
+    cost = profile(capture(model, inputs), TIMED_ONCE)
     linears = [n for n in cost.nodes if n.op == "call_module" and n.target.endswith(("fc", "proj", "qkv"))]
     assert linears and all(n.flops > 0 for n in linears)
     assert all(n.module for n in linears)
@@ -127,7 +126,7 @@ def test_profile_error_names_the_node():
     bad = (torch.randn(3, 7),)  # wrong feature size
     cap2 = type(cap)(cap.graph_module, cap.method, None, bad, {})
     with pytest.raises(ProfileError, match="node 'blocks_0_0'"):
-        profile(cap2, FAST)
+        profile(cap2, TIMED_ONCE)
 
 
 def test_optimize_leaves_model_as_found():
@@ -140,7 +139,7 @@ def test_optimize_leaves_model_as_found():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     grads = [p.grad.clone() for p in model.parameters()]
     rng = torch.get_rng_state()
-    optimize(model, inputs, solver="uniform", profile_config=FAST)
+    optimize(model, inputs, solver="uniform", profile_config=TIMED_ONCE)
     assert not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
@@ -188,7 +187,7 @@ def test_view_output_gradient_is_counted():
 
     torch.manual_seed(0)
     model, x = SplitHeads(), torch.randn(4, 64, 16)
-    cost = profile(capture(model, (x,)), FAST)
+    cost = profile(capture(model, (x,)), TIMED_ONCE)
     names = [n.name for n in cost.nodes]
     proj, mul = names.index("proj"), names.index("mul")
     assert cost.nodes[proj].grad_bytes == 4 * 64 * 256 * 4 and proj in cost.nodes[mul].inputs
@@ -228,7 +227,7 @@ class _UsesNoBackward(torch.nn.Module):
 def test_failing_backward_leaves_a_profile_with_a_warning():
     model = _UsesNoBackward()
     with pytest.warns(UserWarning, match="temporaries were not measured.*no backward here"):
-        cost = profile(capture(model, (torch.randn(4, 8),)), FAST)
+        cost = profile(capture(model, (torch.randn(4, 8),)), TIMED_ONCE)
     assert cost.nodes and all(n.backward_temp_bytes == 0 for n in cost.nodes)
     assert all(p.grad is None for p in model.parameters())
 

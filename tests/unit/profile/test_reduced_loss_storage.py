@@ -6,12 +6,13 @@ autoencoder's plan was 11 % over its prediction, one input-sized buffer."""
 import pytest
 import torch
 import torch.nn.functional as F
-from ckpt_planner import ProfileConfig, optimize
+from ckpt_planner import optimize
 from ckpt_planner.profile.memory import EAGER_REDUCED_VIEWS, as_eager_storage
 from ckpt_planner.verification import verify
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-FAST = ProfileConfig(warmup=0, repeats=1, flop_times=True)  # deterministic costs: plans do not follow timing noise
+from tests.support.profiles import FLOP_TIMES
+
 aten = torch.ops.aten
 
 
@@ -52,7 +53,7 @@ def test_the_fake_result_holds_the_storage_the_kernel_gives(op):
 def test_a_tied_autoencoder_is_planned_at_what_it_measures():
     torch.manual_seed(0)
     model, x = TiedAutoencoder(), torch.randn(512, 128)
-    plan = optimize(model, x, activation_budget=0.5, solver="dp", profile_config=FAST)
+    plan = optimize(model, x, activation_budget=0.5, solver="dp", profile_config=FLOP_TIMES)
     report = verify(model, plan, x, repeats=1)
     assert report.exact
     measured, predicted = report.measured_peak_bytes, plan.predicted_peak_bytes
