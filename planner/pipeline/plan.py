@@ -25,7 +25,7 @@ from ..plan import Plan
 from ..profile.memory import LiveMemory
 from ..settings import PlanRequest
 from .schedule import pipeline_step_s
-from .stage import StageFigures, StageSpec, per_layer_regions, search_inner_budget, stage_figures
+from .stage import StageFigures, StageSpec, chosen_solver, per_layer_regions, search_inner_budget, stage_figures
 
 __all__ = ["StagePlan", "PipelinePlan", "plan_stage", "plan_pipeline", "check_stage_plan"]
 
@@ -118,10 +118,11 @@ def plan_stage(module: torch.nn.Module, example_inputs: Any, *, schedule: type, 
         candidates = (per_layer_regions(problem, per_layer),) if per_layer else ()
         inner, chosen, _ = search_inner_budget(problem, spec, budget_bytes, solver, solver_options, candidates=candidates)
         # the chosen plan lowered as it is (solver 'pipeline_stage'), at the single-microbatch peak it has
-        request = PlanRequest.of(budget_bytes=chosen.peak_bytes, solver="pipeline_stage", safety_margin=0.0,
-                                 solver_options={"regions": [list(r) for r in chosen.regions], "saved": list(chosen.saved)},
-                                 autotune=False)
-        plan = planner.plan_for(request)
+        with chosen_solver():
+            request = PlanRequest.of(budget_bytes=chosen.peak_bytes, solver="pipeline_stage", safety_margin=0.0,
+                                     solver_options={"regions": [list(r) for r in chosen.regions],
+                                                     "saved": list(chosen.saved)}, autotune=False)
+            plan = planner.plan_for(request)
         figs = stage_figures(plan.problem, spec, plan.spans(), plan.saved_indices())
         if figs.peak_bytes > budget_bytes:
             raise InputError(f"budget: stage {stage}'s lowered plan peaks at {figs.peak_bytes} bytes, over {budget_bytes}")

@@ -22,16 +22,18 @@ the per-GPU budget, found by bisection on bytes, each probe solved and judged by
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
 from ..solvers.problem import Problem
-from ..solvers.registry import InfeasibleBudgetError, SolverResult, register, solve
+from ..solvers.registry import SOLVERS, InfeasibleBudgetError, SolverResult, solve
 from ..solvers.simulate import simulate
 from .schedule import in_flight
 
-__all__ = ["StageFigures", "StageSpec", "stage_figures", "per_layer_regions", "search_inner_budget"]
+__all__ = ["StageFigures", "StageSpec", "stage_figures", "per_layer_regions", "search_inner_budget", "chosen_solver"]
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,24 @@ def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], .
     return tuple(sorted((a, b) for a, b in spans.values()))
 
 
-@register("pipeline_stage")
+CHOSEN = "pipeline_stage"
+
+
 def chosen_plan(problem: Problem, budget_bytes: int | None = None, *, regions=(), saved=()) -> SolverResult:
     """The plan the stage search chose (regions and kept nodes as given), so that the planner lowers it
     and records it as any other: the search judges plans on the whole stage, which no solver sees."""
-    return SolverResult(regions=tuple(tuple(r) for r in regions), saved=tuple(saved), stats={"pipeline_stage": True})
+    return SolverResult(regions=tuple(tuple(r) for r in regions), saved=tuple(saved), stats={CHOSEN: True})
+
+
+@contextmanager
+def chosen_solver() -> Iterator[None]:
+    """`chosen_plan` registered as solver 'pipeline_stage' while a stage is planned, and only then: it is
+    no solver a user would pick, nor one the CLI's curves should list."""
+    SOLVERS[CHOSEN] = chosen_plan
+    try:
+        yield
+    finally:
+        SOLVERS.pop(CHOSEN, None)
 
 
 def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, solver: str = "auto",
@@ -155,8 +170,9 @@ def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, so
                                                 (best[2].recompute_s, best[2].peak_bytes)):
             best = (inner, sol, figs)
 
-    for regions in candidates:
-        consider(simulate(problem, regions).peak_bytes, solve(problem, None, "pipeline_stage", regions=regions))
+    with chosen_solver():
+        for regions in candidates:
+            consider(simulate(problem, regions).peak_bytes, solve(problem, None, CHOSEN, regions=regions))
     for segments in range(1, 2 * problem.n + 1):  # Chen et al.'s segments, as many as the graph has
         try:
             sol = solve(problem, None, "uniform", max_segments=segments)

@@ -82,6 +82,7 @@ def _worker(rank: int, init_method: str, out: str) -> None:
         raise
 
 
+@pytest.mark.slow  # four processes planning and running a pipeline: about a minute on two cores
 def test_four_stages_1f1b_fit_their_budget_and_match_one_process(tmp_path):
     ctx = mp.start_processes(_worker, args=(f"file://{tmp_path / 'rdv'}", str(tmp_path)), nprocs=WORLD,
                              join=False, start_method="spawn")
