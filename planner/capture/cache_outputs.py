@@ -33,4 +33,33 @@ def register_cache_outputs(model: torch.nn.Module) -> bool:
 
     if DynamicCache not in pytree.SUPPORTED_NODES:
         register_dynamic_cache_export_support()
+        node = pytree.SUPPORTED_NODES.get(DynamicCache)
+        if node is not None:
+            pytree.SUPPORTED_NODES[DynamicCache] = node._replace(unflatten_fn=_sharing(node.unflatten_fn))
     return DynamicCache in pytree.SUPPORTED_NODES
+
+
+def _sharing(unflatten):
+    """transformers' unflatten rebuilds the cache with `update`, which concatenates each layer's keys and
+    values onto an empty tensor: a copy of the whole cache (2 x layers x batch x heads x seq x head_dim
+    elements) beside the graph's own, held for the step, which the profile of the graph never sees. This
+    one hands the graph's tensors to the layers as they are (plain layers; a sliding layer keeps
+    transformers' way)."""
+    from torch.utils import _pytree as pytree
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    def share(values, context):
+        names, layout = context
+        if any(window is not None for window in layout):
+            return unflatten(values, context)
+        tables = pytree._dict_unflatten(values, names)
+        cache = DynamicCache()
+        for k, v in zip(tables["key_cache"], tables["value_cache"]):
+            layer = DynamicLayer()
+            layer.lazy_initialization(k, v)  # dtype and device; two empty tensors
+            layer.keys, layer.values = k, v
+            cache.layers.append(layer)
+        cache.layers.extend(DynamicLayer() for _ in range(len(layout) - len(cache.layers)))
+        return cache
+
+    return share
