@@ -102,9 +102,13 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
     for st in storages:
         for k in st.saved_by:
             saves[k] = True
-    # Storages each region keeps as its inputs; per storage, the regions that keep it.
+    # Storages each region keeps as its inputs; per storage, the regions that keep it. A region none of
+    # whose nodes saves anything keeps nothing: its checkpoint's inputs are held by the tensors it packs
+    # for backward, and with none packed they go after the forward (views and a copy saved outside).
     input_of: list[list[int]] = [[] for _ in storages]
     for r, (s, e) in enumerate(regions):
+        if not any(saves[s : e + 1]):
+            continue
         seen = set()
         for i in range(s, e + 1):
             for t in nodes[i].reads:
