@@ -101,14 +101,18 @@ def fit_loop(planner: Any, plan: Any) -> tuple[Any, str]:
     line = (f"the loop's step ({planner.loop.describe()}) is {_mb(abs(delta))} "
             f"{'lighter' if delta < 0 else 'heavier'} than the captured step's {_mb(held)} for this plan, "
             f"{_mb(ran)}; ")
+    tried = "; ".join(f"{_mb(m)} measured, {_mb(p)} predicted" for p, m in extras.values())
     if new is plan:
         line += f"kept the plan: {why}" if why else "kept the plan"
+        if len(extras) > 1:  # what stopped it: each plan tried, its captured step measured against the model's
+            line += (f": no plan made for {_mb(target)} or less was predicted within the budget once its captured "
+                     f"step was measured (first plan, then each tried: {tried}; the loop's step predicted "
+                     f"{', '.join(_mb(v) for v in extras_loop(extras, planner, plan))})")
     else:
         line += (f"planned again for the captured step at {_mb(target)}: "
                  f"{len(plan.regions)} -> {len(new.regions)} regions, the loop's step predicted {_mb(peak)} "
                  f"(budget {_mb(budget)})")
         if extras:
-            tried = "; ".join(f"{_mb(m)} measured, {_mb(p)} predicted" for p, m in extras.values())
             planner.correction = _extra(extras, plan, new)
             line += (f"; each plan's captured step measured before it ran ({tried}): this plan's "
                      f"{_mb(planner.correction)} past the model, beside the first plan's, is in its prediction")
@@ -139,17 +143,30 @@ def _measure_captured(planner: Any, plan: Any) -> int:
         planner._inside = False
 
 
+def extras_loop(extras: dict[int, tuple[int, int]], planner: Any, reference: Any) -> list[int]:
+    """The loop's predicted peak of each plan tried after the first, its measured excess included."""
+    return [v for k, v in getattr(extras, "loop", {}).items() if k != id(reference)]
+
+
 def _extra(extras: dict[int, tuple[int, int]], reference: Any, plan: Any) -> int:
     """Bytes `plan`'s measured captured step exceeds `reference`'s by beyond their predicted difference."""
     (ref_pred, ref_meas), (pred, meas) = extras[id(reference)], extras[id(plan)]
     return int((meas - ref_meas) - (pred - ref_pred))
 
 
+class _Tried(dict):
+    """(predicted, measured) captured step of each plan tried, by id; `.loop`: the loop's prediction of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop: dict[int, int] = {}
+
+
 def _measured_predictor(planner: Any, reference: Any) -> tuple[Any, dict[int, tuple[int, int]]]:
     """predict(plan) for `replan_within`: the loop's predicted peak of `plan`, plus what one measured step of
     its module exceeds the reference plan's by beyond the predicted difference. Returns (predict, the
     (predicted, measured) captured step of each plan it was asked about, by id)."""
-    extras: dict[int, tuple[int, int]] = {}
+    extras = _Tried()
 
     def measured(plan: Any) -> None:
         if id(plan) not in extras:
@@ -161,7 +178,8 @@ def _measured_predictor(planner: Any, reference: Any) -> tuple[Any, dict[int, tu
             return loop
         measured(reference)
         measured(plan)
-        return loop + _extra(extras, reference, plan)
+        extras.loop[id(plan)] = loop + _extra(extras, reference, plan)
+        return extras.loop[id(plan)]
 
     return predict, extras
 
