@@ -113,9 +113,9 @@ def fit_loop(planner: Any, plan: Any) -> tuple[Any, str]:
                  f"{len(plan.regions)} -> {len(new.regions)} regions, the loop's step predicted {_mb(peak)} "
                  f"(budget {_mb(budget)})")
         if extras:
-            planner.correction = _extra(extras, plan, new)
+            planner.correction = extras.loop[id(new)] - loop_prediction(new, None, planner.loop)[0]
             line += (f"; each plan's captured step measured before it ran ({tried}): this plan's "
-                     f"{_mb(planner.correction)} past the model, beside the first plan's, is in its prediction")
+                     f"{_mb(planner.correction)} past the model is in its prediction")
         new.budget_bytes = budget  # the user's budget, which the loop's step is planned to
     new.notes = (*new.notes, line)
     return new, line
@@ -135,10 +135,15 @@ def _measure_captured(planner: Any, plan: Any) -> int:
         loss_of(out).backward()
         del out
 
+    from .core import _state_tensors
+
+    state = _state_tensors(planner._optimizer)
+    # the optimizer's state the Problem counts but an optimizer that makes it lazily has not made yet
+    missing = max(0, int(getattr(plan.problem, "optimizer_bytes", 0)) - sum(t.nbytes for t in state))
     planner._inside = True  # the measurement is not a training step
     try:
         with preserved(planner._target), through_bars():
-            return measure_peak(planner._root, run, inputs)
+            return measure_peak(planner._root, run, (inputs, state)) + missing
     finally:
         planner._inside = False
 
@@ -178,7 +183,9 @@ def _measured_predictor(planner: Any, reference: Any) -> tuple[Any, dict[int, tu
             return loop
         measured(reference)
         measured(plan)
-        extras.loop[id(plan)] = loop + _extra(extras, reference, plan)
+        pred, meas = extras[id(plan)]
+        # what its captured step measured over the model, or over the first plan's excess where that is more
+        extras.loop[id(plan)] = loop + max(meas - pred, _extra(extras, reference, plan))
         return extras.loop[id(plan)]
 
     return predict, extras
@@ -190,7 +197,7 @@ def note_measured(planner: Any, step: int, shapes: Any, peak: int) -> None:
     predicted = planner.predicted_peak_bytes
     if shapes != planner.planned_shapes or planner._corrected or predicted is None or planner.plan.budget_bytes is None:
         return
-    if abs(peak - predicted) > THRESHOLD * max(1, predicted):
+    if abs(peak - predicted) > THRESHOLD * max(1, predicted) or peak > planner.plan.budget_bytes:
         planner._pending = (step, peak, predicted)
 
 
