@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-__all__ = ["Axis", "TokenGroup", "find_tokenwise", "axis_lengths", "hint"]
+__all__ = ["Axis", "TokenGroup", "find_tokenwise", "axis_lengths", "hint", "view_sizes"]
 
 aten = torch.ops.aten
 
@@ -165,6 +165,31 @@ def _view_axis(src: torch.Tensor, dst: Any, ax: Axis) -> Axis:
     raise _Mixing
 
 
+def view_sizes(node: fx.Node, in_dim: int, out_dim: int) -> list[Any] | None:
+    """A reshape's sizes besides the axis, for one chunk (the axis's own entry None): each one as given
+    (an int or a size node), as captured where static, else ("dim", j): the input's dimension j of the
+    same size (not the axis, so a chunk's is the whole's). None where one is symbolic, given as -1 and
+    matches no such dimension: the chunk could not be reshaped (it would need two -1s)."""
+    val, xv = _val(node), _val(node.args[0])
+    given = list(node.args[1])
+    if len(given) != val.dim():
+        return None
+    sizes: list[Any] = []
+    for i, s in enumerate(val.shape):
+        if i == out_dim:
+            sizes.append(None)
+        elif isinstance(given[i], fx.Node) or given[i] != -1:
+            sizes.append(given[i])
+        elif isinstance(s, int):
+            sizes.append(s)
+        else:
+            same = [j for j in range(xv.dim()) if j != in_dim and _eq(xv.shape[j], s)]
+            if not same:
+                return None
+            sizes.append(("dim", same[0]))
+    return sizes
+
+
 def out_axis(node: fx.Node, axes: dict[fx.Node, Axis]) -> Axis | None:
     """The axis of `node`'s output given its inputs' axes; None for a loss (a scalar reduced over tokens).
     Raises _Mixing when the node is not token-wise."""
@@ -231,7 +256,10 @@ def out_axis(node: fx.Node, axes: dict[fx.Node, Axis]) -> Axis | None:
     if op in (aten.layer_norm.default, aten.rms_norm.default) and d < rank - len(node.args[1]):
         return d, m
     if op in _VIEW:
-        return _view_axis(xv, val, (d, m))
+        out = _view_axis(xv, val, (d, m))
+        if view_sizes(node, d, out[0]) is None:
+            raise _Mixing  # a size its chunks could not be given: left whole
+        return out
     if op is aten.unsqueeze.default:
         at = _norm_dim(node.args[1], rank + 1)
         return (d + 1 if at <= d else d), m
@@ -429,9 +457,13 @@ def _group(gm: fx.GraphModule, nodes: list[fx.Node], axes: dict[fx.Node, Axis], 
     if not outputs or not chunked or _reenters(inside, nodes):
         return None
     out_names = {o[0] for o in outputs}
-    interior = sum(_nbytes(_val(n)) for n in nodes if n.name not in out_names)
+    # a view owns no bytes; a member that an output views stays whole (the chunks' pieces of it are held
+    # until they are concatenated), so it counts at the boundary, not inside
+    by_name = {n.name: n for n in nodes}
+    held = {_root(by_name[o], inside) for o in out_names}
+    interior = sum(_nbytes(_val(n)) for n in nodes if n not in held and _root(n, inside) is n)
     interior += sum(_nbytes(_val(n.args[0])) for n in nodes if n in losses)  # the loss's log-softmax
-    boundary = sum(_nbytes(_val(a)) for a in chunked) + sum(_nbytes(_val(n)) for n in nodes if n.name in out_names)
+    boundary = sum(_nbytes(_val(a)) for a in chunked) + sum(_nbytes(_val(n)) for n in held if n in inside)
     return TokenGroup(
         nodes=tuple(n.name for n in nodes),
         chunked_inputs=tuple((a.name, ax) for a, ax in chunked.items()),
@@ -443,6 +475,27 @@ def _group(gm: fx.GraphModule, nodes: list[fx.Node], axes: dict[fx.Node, Axis], 
         axes=tuple((n.name, axes[n]) for n in nodes if n in axes),
         param_bytes=_param_bytes(gm, nodes, whole),
     )
+
+
+def _root(n: fx.Node, inside: set[fx.Node]) -> fx.Node:
+    """The tensor whose storage `n` shares, through views (a contiguous that copies is not one); stops at
+    the group's edge."""
+    while n in inside and n.args and isinstance(n.args[0], fx.Node) and _aliases(n):
+        n = n.args[0]
+    return n
+
+
+def _aliases(n: fx.Node) -> bool:
+    op = n.target
+    if op is operator.getitem:
+        src = n.args[0]
+        return isinstance(src.target, torch._ops.OpOverload) and src.target.is_view
+    if not isinstance(op, torch._ops.OpOverload) or not op.is_view:
+        return False
+    if op is aten.contiguous.default:  # a copy where its input is not contiguous
+        x = _val(n.args[0])
+        return isinstance(x, torch.Tensor) and x.is_contiguous()
+    return True
 
 
 def _param_bytes(gm: fx.GraphModule, nodes: list[fx.Node], whole: dict[fx.Node, None]) -> int:

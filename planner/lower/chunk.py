@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from ..capture.tokenwise import TokenGroup, axis_lengths, find_tokenwise, hint
+from ..capture.tokenwise import TokenGroup, axis_lengths, find_tokenwise, hint, view_sizes
 
 __all__ = ["ChunkedCall", "ChunkSpec", "chunk_graph", "chunk_capture", "choose_chunks", "MAX_CHUNKS"]
 
@@ -228,6 +228,7 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
         env[a] = sub.placeholder(a.name)
         env[a].meta = dict(a.meta)
     member_axes = dict(g.axes)
+    in_axes = member_axes | dict(g.chunked_inputs)  # the axis of every tensor a member reads along it
     whole = [by_name[x] for x in g.whole_inputs]
     # the whole inputs that the members' linears read as their weight, and a placeholder for each one's
     # gradient buffer (after the inputs: ChunkedCall passes them last)
@@ -245,7 +246,7 @@ def _replace(gm: fx.GraphModule, g: TokenGroup, chunks: int, name: str, moved: d
             env[n] = sub.call_function(aten.cross_entropy_loss.default, (env[x], env[t], None, 2, ignore, 0.0))
             continue
         if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-            env[n] = sub.call_function(aten.reshape.default, (env[n.args[0]], _chunk_shape(n, member_axes[n.name][0], env)))
+            env[n] = sub.call_function(aten.reshape.default, (env[n.args[0]], _chunk_shape(n, in_axes[n.args[0].name][0], member_axes[n.name][0], env, sub)))
         elif _linear_on(n, whole):
             args = tuple(env[a] if isinstance(a, fx.Node) else a for a in n.args)
             args = args + (None,) * (3 - len(args))
@@ -283,22 +284,23 @@ def _linear_on(n: fx.Node, whole: list[fx.Node]) -> bool:
     return n.target is aten.linear.default and not n.kwargs and len(n.args) >= 2 and any(n.args[1] is w for w in whole)
 
 
-def _chunk_shape(n: fx.Node, ax: int, env: dict[fx.Node, fx.Node]) -> list[Any]:
-    """A reshape's target shape for one chunk: the axis -1, every other dimension as captured."""
-    val = n.meta["val"]
-    given = list(n.args[1])
+def _chunk_shape(n: fx.Node, in_dim: int, ax: int, env: dict[fx.Node, fx.Node], sub: fx.Graph) -> list[Any]:
+    """A reshape's target shape for one chunk: the axis -1, every other size as captured (a symbolic one
+    given as -1 read off the chunk's input, whose other dimensions are the whole's)."""
+    src = n.args[0]
+    sizes = view_sizes(n, in_dim, ax)
+    if sizes is None:  # find_tokenwise leaves such a reshape out of every group
+        raise ValueError(f"{n.name}: a reshape with a symbolic size besides the axis cannot be chunked")
     shape: list[Any] = []
-    for i, s in enumerate(val.shape):
-        if i == ax:
+    for s in sizes:
+        if s is None:
             shape.append(-1)
-        elif isinstance(given[i], fx.Node):
-            shape.append(env[given[i]])
-        elif given[i] != -1:
-            shape.append(given[i])
-        elif isinstance(s, int):
-            shape.append(s)
+        elif isinstance(s, fx.Node):
+            shape.append(env[s])
+        elif isinstance(s, tuple):
+            shape.append(sub.call_function(aten.sym_size.int, (env[src], s[1])))
         else:
-            raise ValueError(f"{n.name}: a reshape with a symbolic size besides the axis cannot be chunked")
+            shape.append(s)
     return shape
 
 
