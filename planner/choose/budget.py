@@ -13,7 +13,8 @@ feasible when the step as given fits it, or when the floor plan's peak fits
     inner(B) = B - floor(margin * (B - fixed))       # bytes; fixed = parameters, inputs, optimizer state
 
 The smallest feasible budget is the least B for which that holds, and never
-more than the peak of the step as given (which fits with no plan).
+more than the peak of the step as given (which fits with no plan; on a stage-wise
+profile, that peak with the margin: `as_is_floor`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..solvers.simulate import simulate
 from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
-__all__ = ["inner_budget", "smallest_budget", "deterministic_problem", "floor_plans", "peak_detail", "floor_of", "refuse",
+__all__ = ["inner_budget", "smallest_budget", "as_is_floor", "deterministic_problem", "floor_plans", "peak_detail", "floor_of", "refuse",
            "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
 
 Regions = tuple[tuple[int, int], ...]
@@ -157,6 +158,15 @@ def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool,
     return p.floors[(*key, "polished")]
 
 
+def as_is_floor(p: Profiled, as_is: int, margin: float) -> int:
+    """The budget (bytes) an error names where the step as given (peak `as_is`) is the floor. A stage-wise
+    profile (`cost.stages`) never ran that step whole: its peak is summed from each stage's own step, which
+    misses some of an op's backward workspace (an LSTM's: 2-3 KB), and a call at the named budget profiles
+    the step whole (its plain step fits), measuring it again. So the floor is named with the margin plans
+    keep for the same error, as a plan's floor is; a whole profile's peak was measured and is named as is."""
+    return smallest_budget(as_is, p.problem.fixed_bytes, margin) if p.cost.stages else as_is
+
+
 def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     """InfeasibleBudgetError naming the smallest feasible budget when neither a plan nor the step as given fits."""
     problem, cfg, margin = p.problem, request.solve, request.budget.safety_margin
@@ -169,12 +179,13 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     fixed = problem.fixed_bytes
     floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep, inner_budget(budget, fixed, margin))
     as_is = given_peak if keep else min(plain_peak, given_peak)
+    named_as_is = as_is_floor(p, as_is, margin)
     if p.cost.stages:
-        refuse_unplannable(p, budget, cfg.solver, min(as_is, smallest_budget(floor_peak, fixed, margin)))
+        refuse_unplannable(p, budget, cfg.solver, min(named_as_is, smallest_budget(floor_peak, fixed, margin)))
     if floor_peak > inner_budget(budget, fixed, margin) and as_is > budget:
-        smallest = min(as_is, smallest_budget(floor_peak, fixed, margin))
+        smallest = min(named_as_is, smallest_budget(floor_peak, fixed, margin))
         detail = ""
-        if smallest == as_is:
+        if smallest == named_as_is:
             regions = given if given_peak <= plain_peak or keep else ()
             detail = peak_detail(problem, regions, [n.name for n in p.cost.nodes])
         blocks = autocast_blocks(p.capture.graph_module)
