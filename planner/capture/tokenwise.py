@@ -52,7 +52,8 @@ class TokenGroup:
     length: Any
     """N: the axis length (an int, or the capture's symbolic size)."""
     interior_bytes: int
-    """Bytes of the members' outputs that stay inside (what one chunk holds a k-th of)."""
+    """Bytes of the members' outputs that stay inside (what one chunk holds a k-th of); a view owns none,
+    and a member that an output views counts at the boundary (its pieces are held until concatenated)."""
     boundary_bytes: int
     """Bytes of the chunked inputs and the outputs (what stays whole)."""
     axes: tuple[tuple[str, Axis], ...] = ()
@@ -492,9 +493,12 @@ def _aliases(n: fx.Node) -> bool:
         return isinstance(src.target, torch._ops.OpOverload) and src.target.is_view
     if not isinstance(op, torch._ops.OpOverload) or not op.is_view:
         return False
-    if op is aten.contiguous.default:  # a copy where its input is not contiguous
-        x = _val(n.args[0])
-        return isinstance(x, torch.Tensor) and x.is_contiguous()
+    x, v = _val(n.args[0]), _val(n)
+    if not isinstance(x, torch.Tensor) or not isinstance(v, torch.Tensor) or x.dtype != v.dtype:
+        return False  # a `to` that casts copies
+    # these may alias or copy: a copy where the input is not contiguous (counted as one: never too few bytes)
+    if op in (aten.contiguous.default, aten.reshape.default, aten.flatten.using_ints):
+        return x.is_contiguous()
     return True
 
 

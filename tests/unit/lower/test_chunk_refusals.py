@@ -91,3 +91,24 @@ def test_a_group_whose_outputs_view_its_copy_is_not_worth_chunking():
         # the views own no bytes and the copy stays whole: nothing inside, no chunks
         assert g.interior_bytes == 0
         assert choose_chunks(g) == 1
+
+
+class CastOut(nn.Module):
+    """An MLP whose output is cast to float64: the cast copies, so the float32 work before it stays inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(F.gelu(self.up(x)).to(torch.float64), 1)  # the cumsum mixes tokens: outside
+
+
+def test_a_cast_output_copies_so_the_work_before_it_counts_inside():
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    cap = capture(CastOut(), (x,), method="export")
+    gm = cap.graph_module
+    groups = [g for n in axis_lengths(gm) if hint(n) == SEQ for g in find_tokenwise(gm, n)]
+    assert len(groups) == 1
+    # the linear's and the gelu's float32 outputs, (batch, seq, 4 * width) each
+    assert groups[0].interior_bytes == 2 * BATCH * SEQ * 4 * WIDTH * 4
