@@ -88,11 +88,12 @@ def test_a_limit_no_plan_fits_is_refused_naming_it(monkeypatch, planner):
 def test_a_model_planned_in_parts_is_held_to_the_limit_too(monkeypatch):
     from ckpt_planner.choose.partial import PartialPlanner
 
-    from tests.unit.choose.test_partial import FAST, Branchy
+    from tests.support.profiles import TIMED_ONCE
+    from tests.unit.choose.test_partial import Branchy
 
     torch.manual_seed(0)
     model, x = Branchy(d=32, blocks=4), torch.randn(64, 16)
-    part = PartialPlanner(model, (x,), profile_config=FAST)
+    part = PartialPlanner(model, (x,), profile_config=TIMED_ONCE)
     budget = part.baseline_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as e:
         part.plan(budget_bytes=part.problem.fixed_bytes + 1, solver="uniform")
