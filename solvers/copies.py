@@ -73,9 +73,10 @@ def _plan_facts(problem: Problem, regions: tuple[tuple[int, int], ...], saved: t
     for k in problem.arrays.savers.tolist():
         saves[k] = True
     inputs: list[set[int]] = []
-    for s, e in regions:  # a region none of whose nodes saves keeps no inputs (simulate.replay)
+    packer = problem.arrays.prev_packer
+    for s, e in regions:  # a region none of whose nodes packs a tensor keeps no inputs (simulate.replay)
         inputs.append({t for i in range(s, e + 1) for t in nodes[i].reads if storages[t].producer < s}
-                      if any(saves[s : e + 1]) else set())
+                      if packer[e] >= s else set())
     stops, triggers, runs = [], [], []
     for r, (s, e) in enumerate(regions):
         savers = [k for k in range(s, e + 1) if saves[k]]

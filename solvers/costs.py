@@ -74,8 +74,8 @@ def recompute_time(problem: Problem, regions, saved=()) -> float:
     inner = np.full(problem.n, -1, dtype=np.int64)
     for r, (s, e) in enumerate(regions):
         inner[s : e + 1] = r
-    has_inputs = [bool((a.read_producer[a.read_ptr[s] : a.read_ptr[e + 1]] < s).any()) and a.prev_saver[e] >= s
-                  for s, e in regions]  # a region none of whose nodes saves keeps no inputs (simulate.replay)
+    has_inputs = [bool((a.read_producer[a.read_ptr[s] : a.read_ptr[e + 1]] < s).any()) and a.prev_packer[e] >= s
+                  for s, e in regions]  # a region none of whose nodes packs a tensor keeps no inputs (simulate.replay)
     stops = [s - 1 for s, _ in regions]
     owner = inner[a.savers]  # a region's own savers: the nodes whose innermost region it is
     for r, k in zip(owner[owner >= 0].tolist(), a.savers[owner >= 0].tolist()):

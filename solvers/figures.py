@@ -150,8 +150,8 @@ class _Layout:
         counts = a.read_ptr[r_end + 1] - a.read_ptr[r_start]
         idx = _ranges(a.read_ptr[r_start], counts)
         rid = np.repeat(np.arange(R, dtype=i64), counts)
-        # a region whose nodes save nothing keeps no inputs (simulate.replay says why)
-        outside = (a.read_producer[idx] < r_start[rid]) & (a.prev_saver[r_end] >= r_start)[rid]
+        # a region whose nodes pack no tensor keeps no inputs (simulate.replay says why)
+        outside = (a.read_producer[idx] < r_start[rid]) & (a.prev_packer[r_end] >= r_start)[rid]
         width = max(1, a.m)
         key = np.unique(rid[outside] * width + a.read_t[idx][outside])
         in_r, in_t = key // width, key % width

@@ -339,6 +339,10 @@ class ProblemArrays:
         self.savers = np.flatnonzero(saves)
         self.prev_saver = np.maximum.accumulate(np.where(saves, np.arange(n), -1)) if n else np.zeros(0, dtype=i64)
         """prev_saver[i]: the last node at or before i whose backward keeps something (-1: none)."""
+        packs = saves | np.array([node.saved_tensors > 0 for node in nodes], dtype=bool)
+        self.prev_packer = np.maximum.accumulate(np.where(packs, np.arange(n), -1)) if n else np.zeros(0, dtype=i64)
+        """prev_packer[i]: the last node at or before i that hands autograd any tensor to keep, a parameter or a
+        buffer included (-1: none). A checkpoint region with no such node keeps no inputs (simulate.replay)."""
         self.saveable = np.array([node.saveable for node in nodes], dtype=bool)
         self.temp = np.array([node.temp_bytes for node in nodes], dtype=i64)
         self.backward_temp = np.array([node.backward_temp_bytes for node in nodes], dtype=i64)

@@ -103,11 +103,12 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
         for k in st.saved_by:
             saves[k] = True
     # Storages each region keeps as its inputs; per storage, the regions that keep it. A region none of
-    # whose nodes saves anything keeps nothing: its checkpoint's inputs are held by the tensors it packs
-    # for backward, and with none packed they go after the forward (views and a copy saved outside).
+    # whose nodes packs a tensor (an activation, a parameter or a buffer) keeps nothing: its checkpoint's
+    # inputs are held by what it packs for backward, and with nothing packed they go after the forward.
     input_of: list[list[int]] = [[] for _ in storages]
+    packer = problem.arrays.prev_packer
     for r, (s, e) in enumerate(regions):
-        if not any(saves[s : e + 1]):
+        if packer[e] < s:
             continue
         seen = set()
         for i in range(s, e + 1):

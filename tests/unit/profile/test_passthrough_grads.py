@@ -13,7 +13,8 @@ from ckpt_planner import optimize
 from ckpt_planner.capture.trace import capture
 from ckpt_planner.profile.profiler import ProfileConfig, profile
 from ckpt_planner.solvers.simulate import replay, simulate
-from ckpt_planner.verification import verify
+from ckpt_planner.verification import default_loss, measure_step, verify
+from torch.utils.checkpoint import checkpoint
 
 FLOPS = ProfileConfig(flop_times=True)
 B, T, V, D, C = 4, 32, 64, 32, 8  # batch, tokens, vocabulary, width, classes
@@ -111,3 +112,38 @@ def test_a_gradient_made_new_is_not_counted_below_the_figure():
     assert adds and all(-n.grad_bytes <= n.backward_temp_bytes < 0 for n in adds), [
         (n.name, n.backward_temp_bytes) for n in adds]
     assert nodes[adds[-1].name].grad_bytes == 64 * D * 4
+
+
+class Scaled(nn.Module):
+    """`h * scale` with `scale` a buffer: mul's backward keeps the buffer alone (`h` needs no keeping for
+    a gradient of `h`), so its node packs a tensor while saving no activation."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("scale", torch.rand(d))
+
+    def forward(self, x: torch.Tensor, checkpointed: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        y = checkpoint(lambda t: t * self.scale, h, use_reentrant=False) if checkpointed else h * self.scale
+        return self.b(torch.relu(y)).sum()
+
+
+def test_a_region_that_packs_only_a_buffer_keeps_its_inputs():
+    """Packing any tensor, a buffer included, keeps a checkpoint's frame and so its inputs alive to its
+    backward: measured, checkpointing the mul raises the step's peak; the simulator must not predict less
+    (a rule that looked at saved activations alone predicted no rise)."""
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(512, 64)
+    params = list(model.parameters())
+    state = params + list(model.buffers())
+    plain, _ = measure_step(model, (x,), {}, params, state, default_loss, torch.device("cpu"))
+    ck, _ = measure_step(lambda t: model(t, checkpointed=True), (x,), {}, params, state, default_loss,
+                         torch.device("cpu"))
+    assert ck > plain  # bytes: the region's input outlives the forward
+    problem = profile(capture(Scaled(), (x,)), FLOPS).to_problem()
+    mul = [n.name for n in problem.nodes].index("mul")
+    assert problem.nodes[mul].saved_tensors > 0 and not any(mul in st.saved_by for st in problem.storages)
+    rise = simulate(problem, [(mul, mul)]).peak_bytes - simulate(problem, ()).peak_bytes
+    assert rise == replay(problem, [(mul, mul)]).peak_bytes - replay(problem, ()).peak_bytes
+    assert rise >= ck - plain, (rise, ck - plain)
