@@ -78,6 +78,9 @@ def test_a_plan_made_on_meta_rebuilds_on_the_real_model(kind, attn, tmp_path):
     names = [n.name for n in plan.problem.nodes]
     random = sum(any(names[i].startswith("dropout") for i in range(r.start, r.end + 1)) for r in plan.regions)
     allowance = 2 * random * rng_state_bytes(torch.device("cpu"))
+    # Fake tensors see no kernel workspace: what the allocator holds beyond the live tensors in the model's
+    # own step (16 B on llama's eager attention) is not in a meta plan's figures.
+    allowance += max(0, report.baseline_measured_peak_bytes - report.baseline_measured_live_peak_bytes)
     assert report.measured_peak_bytes <= plan.predicted_peak_bytes + allowance
 
 
