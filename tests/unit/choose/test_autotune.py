@@ -330,7 +330,9 @@ def test_the_default_race_is_held_to_the_planning_time_and_says_so(store_dir, mo
     plan = planner.plan(budget_bytes=budget)
     assert seen and seen[0][0] == rules.AUTOTUNE_STEPS and seen[0][1] >= planner.prepared_s > 0
     assert seen[0][2] > planner.problem.base_step_s  # counted at a racing plan's step: the plain one's and its recompute
-    assert clock.calls == 1 and plan.stats["autotune"]["steps"] + rules.CHECK_STEPS <= 12
+    # the whole race within the 12 steps it was held to; the record counts the winner's check steps where
+    # a plan other than the solver's won (and was checked), so they are not added again here
+    assert clock.calls == 1 and plan.stats["autotune"]["steps"] <= 12
     assert any(n.startswith("autotune: held to 12 model steps") for n in plan.notes)
     seen.clear()
     planner.plan(budget_bytes=budget, autotune=True)  # asked for: the whole cap, not held
