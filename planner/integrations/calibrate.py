@@ -28,13 +28,22 @@ from ..profile.memory import LiveMemory
 from ..progress import logger
 from ..solvers.registry import InfeasibleBudgetError
 
-__all__ = ["calibrate", "THRESHOLD", "corrected_budget", "preserved", "measure_peak", "replan_within"]
+__all__ = ["calibrate", "THRESHOLD", "corrected_budget", "preserved", "measure_peak", "replan_within",
+           "state_tensors"]
 
 THRESHOLD = 0.03
 """Measured and predicted peaks of the planned shape parting by more than this fraction (either way)
 start one more planning: over it risks running out of memory, under it leaves budget unused."""
 
 BUDGET_KEYS = ("budget_gb", "budget_bytes", "activation_budget")
+
+
+def state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors an optimizer (or a framework's wrapper of one) holds as state, for the step's meter."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        return []
+    return [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def _mb(nbytes: float) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..lower.apply import remove_checkpointing
 from ..lower.inplace import restore_forward
-from .calibrate import BUDGET_KEYS, THRESHOLD, measure_peak, preserved, replan_within
+from .calibrate import BUDGET_KEYS, THRESHOLD, measure_peak, preserved, replan_within, state_tensors
 from .logs import _log, through_bars
 from .loop import HELD, loop_prediction
 
@@ -135,9 +135,7 @@ def _measure_captured(planner: Any, plan: Any) -> int:
         loss_of(out).backward()
         del out
 
-    from .core import _state_tensors
-
-    state = _state_tensors(planner._optimizer)
+    state = state_tensors(planner._optimizer)
     # the optimizer's state the Problem counts but an optimizer that makes it lazily has not made yet
     missing = max(0, int(getattr(plan.problem, "optimizer_bytes", 0)) - sum(t.nbytes for t in state))
     planner._inside = True  # the measurement is not a training step

@@ -52,6 +52,7 @@ from ..lower.inplace import (
 from ..lower.rewrite import CheckpointedModule
 from ..profile.memory import LiveMemory
 from ..solvers.registry import InfeasibleBudgetError
+from .calibrate import state_tensors as _state_tensors
 from .closed_loop import fit_loop, note_measured, plan_captured, replan_measured
 from .lengths import find_max_length, grown_to, sequence_length
 from .logs import _log
@@ -75,13 +76,6 @@ def optimizer_name(optimizer: Any) -> Any:
     """What `optimize(optimizer=...)` should count for a framework's optimizer (unwraps accelerate's)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
-def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if not isinstance(inner, torch.optim.Optimizer):
-        return []
-    return [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
 def _as_kwargs(module: torch.nn.Module, args: tuple, kwargs: dict, sig: inspect.Signature | None = None
