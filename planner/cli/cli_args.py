@@ -123,8 +123,6 @@ _EPILOGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..solvers.registry import SOLVERS
-
     parser = _Parser(
         prog="ckpt-planner",
         description="Automatic activation-checkpoint placement for PyTorch.",
@@ -133,10 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    raw = argparse.RawDescriptionHelpFormatter
+    for add in (_add_plan, _add_apply, _add_bench, _add_export, _add_report, _add_demo, _add_profile):
+        add(sub)
+    return parser
+
+
+_RAW = argparse.RawDescriptionHelpFormatter
+
+
+def _add_plan(sub) -> None:
+    from ..solvers.registry import SOLVERS
 
     plan = sub.add_parser("plan", help="plan checkpointing for a saved model, write plan.json",
-                          epilog=_EPILOGS["plan"], formatter_class=raw)
+                          epilog=_EPILOGS["plan"], formatter_class=_RAW)
     _model_options(plan)
     plan.add_argument("--solver", default=default_solver(), help=f"one of {', '.join(sorted(SOLVERS))}")
     plan.add_argument("--verify", action="store_true", help="run one step side by side and record measured figures")
@@ -163,27 +170,33 @@ def build_parser() -> argparse.ArgumentParser:
     _common(plan)
     plan.set_defaults(command="plan")
 
+
+def _add_apply(sub) -> None:
     apply = sub.add_parser("apply", help="write the checkpointed module of a plan as a folder that loads back",
-                           epilog=_EPILOGS["apply"], formatter_class=raw)
+                           epilog=_EPILOGS["apply"], formatter_class=_RAW)
     _model_options(apply, budget=False)
     apply.add_argument("plan", help="plan file from `ckpt-planner plan`")
     apply.add_argument("-o", "--output", required=True, help="output folder")
     _common(apply)
     apply.set_defaults(command="apply")
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="optimize + verify with several solvers side by side",
-                           epilog=_EPILOGS["bench"], formatter_class=raw)
+                           epilog=_EPILOGS["bench"], formatter_class=_RAW)
     _model_options(bench)
     bench.add_argument("--solvers", default="none,uniform,dp,ilp", help="comma-separated; unregistered ones are skipped")
     bench.add_argument("-o", "--output", help="bench file to write (JSON, for `report --bench`)")
     _common(bench)
     bench.set_defaults(command="bench")
 
+
+def _add_export(sub) -> None:
     export = sub.add_parser("export", help="save a model as a .pt2 that returns plain tensors, for plan/apply/bench",
                             description="Export MODEL with torch.export in training mode, wrapped so that it returns "
                             "plain tensors (a transformers ModelOutput cannot be loaded where transformers is not "
                             "imported), and save it with its inputs as the default ones.",
-                            epilog=_EPILOGS["export"], formatter_class=raw)
+                            epilog=_EPILOGS["export"], formatter_class=_RAW)
     _model_options(export, budget=False)
     export.add_argument("--returns", choices=["auto", "loss", "logits", "tensors"], default="auto",
                         help="what the program returns: the loss (give labels), the logits, or every tensor of the "
@@ -193,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(export)
     export.set_defaults(command="export")
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="HTML or Markdown report of a plan, with plots",
-                            epilog=_EPILOGS["report"], formatter_class=raw)
+                            epilog=_EPILOGS["report"], formatter_class=_RAW)
     report.add_argument("plan", help="plan file from `ckpt-planner plan`")
     report.add_argument("--bench", help="bench file from `ckpt-planner bench -o`")
     report.add_argument("--format", choices=["html", "md"], help="default: from the output's suffix, else html")
@@ -213,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(report)
     report.set_defaults(command="report")
 
+
+def _add_demo(sub) -> None:
+    from ..solvers.registry import SOLVERS
+
     demo = sub.add_parser(
         "demo",
         help="plan, verify and summarise a built-in GPT-style model",
@@ -230,12 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="accepted for symmetry; the summary is the output")
     demo.set_defaults(command="demo")
 
+
+def _add_profile(sub) -> None:
     prof = sub.add_parser(
         "profile",
         help="per-node cost table of a model: saved bytes, output bytes, time",
         epilog="example:\n  ckpt-planner profile models.py:make_gpt --input input_ids=2,128:int64:0-8192\n"
                "  ckpt-planner profile --example cnn --json",
-        formatter_class=raw,
+        formatter_class=_RAW,
     )
     _model_options(prof, budget=False, optional=True)
     prof.add_argument("--example", choices=["gpt", "mlp", "cnn"], help="a built-in example model instead of MODEL")
@@ -243,4 +264,3 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true")
     prof.add_argument("--quiet", action="store_true", help="accepted for symmetry; the table is the output")
     prof.set_defaults(command="profile")
-    return parser
