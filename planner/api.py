@@ -218,12 +218,6 @@ def plan_compiled(model: Any, example_inputs: Any, setup: Setup, request: PlanRe
     """optimize(..., compile=True): one whole graph planned, compiled, measured and re-planned to fit."""
     from .compile.compiled import CompiledPlanner  # loads inductor's pieces only when asked for
 
-    if setup.distributed.world_size != 1:
-        raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
-                         "drop compile=True or plan one rank with world_size=1")
-    if setup.meta:
-        raise InputError("compile: a plan made on the meta device cannot be compiled and measured; "
-                         "plan on cpu/cuda or drop compile=True")
     try:
         planner = Planner(model, example_inputs, setup=setup)
     except CaptureError as e:

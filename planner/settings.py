@@ -236,6 +236,12 @@ class Setup:
         if not self.exactness.exact and (self.compile.enabled or self.distributed.world_size != 1):
             raise InputError("exact: exact=False (chunked token-wise work) is planned eagerly on one rank; "
                              "drop compile=True / world_size or keep exact=True")
+        if self.compile.enabled and self.meta:
+            raise InputError("compile: compile=True (--compile) plans are compiled and measured on real tensors, "
+                             "which the meta device has none of; plan on cpu/cuda or drop compile=True")
+        if self.compile.enabled and self.distributed.world_size != 1:
+            raise InputError("compile: sharded plans (world_size > 1) are not measured under torch.compile; "
+                             "drop compile=True or plan one rank with world_size=1")
 
     @property
     def meta(self) -> bool:
