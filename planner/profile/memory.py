@@ -32,8 +32,9 @@ CUDA_BLOCK_BYTES = 512
 
 def block_bytes(nbytes: int, device: torch.device | str) -> int:
     """The bytes `nbytes` take on `device`'s allocator. On CUDA a block is a multiple of 512 bytes, which
-    is most of a small tensor (a BatchNorm's per-channel statistics, a LayerNorm's row statistics):
-    counting tensors at their size alone under-predicted a small ResNet's step by 1.6 % on an H100."""
+    is most of a small tensor (a BatchNorm's per-channel statistics, a LayerNorm's row statistics): counted
+    at their size alone, a small ResNet's CUDA step is predicted under its peak
+    (benchmarks/results/gpu-h100.md)."""
     if nbytes <= 0 or torch.device(device).type != "cuda":
         return nbytes
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
@@ -48,13 +49,15 @@ EAGER_REDUCED_VIEWS = frozenset({"mse_loss", "smooth_l1_loss", "binary_cross_ent
 """Loss kernels whose reduced result (`reduction` mean or sum) is a 0-dim view of the unreduced loss they
 computed (torch 2.13): the scalar keeps the whole broadcast input's elements alive for as long as it lives, the
 step's loss through the backward. Their decompositions, which a fake-tensor run counts, make a scalar of
-its own: a tied autoencoder whose `mse_loss` ran on 2048 x 128 measured 1 MiB (11 %) over its prediction."""
+its own, so without this set such a step is predicted under its peak
+(tests/unit/profile/test_reduced_loss_storage.py)."""
 
 
 SIZED_BY_KERNEL = frozenset({"mkldnn_rnn_layer"})
 """Ops whose meta function gives an output of the wrong size: the CPU LSTM layer's workspace, which its
 backward keeps, is empty there. oneDNN sizes it (padded to 4 KiB pages, 16 MB for 32 x 128 tokens of a 64-wide
-LSTM, where the layer's output is 1 MB): an LSTM language model's plan was predicted at half its peak."""
+LSTM, where the layer's output is 1 MB): sized by the meta function, an LSTM's step is predicted far under its
+peak (tests/unit/profile/test_kernel_sized_outputs.py)."""
 
 _KERNEL_RUNS: dict[tuple, tuple[int, ...]] = {}  # (op, argument shapes) -> the eager outputs' storage bytes
 
@@ -361,9 +364,9 @@ def collections_of_new_objects() -> Iterator[None]:
 
     The profile collects garbage before each allocator window (a stage's step, the backward), so that a
     tensor the collector frees inside a window was allocated in it. In a process that has imported torch and
-    transformers, a full collection walks about half a million objects: 0.23 s each on this project's 2-core
-    CPU, 2.7 s of the Quickstart's 15. What was alive on entry is collected once, then set aside
-    (`gc.freeze`) until the exit, when it rejoins the oldest generation. Where the process has frozen objects
+    transformers, a full collection walks about half a million objects, a few tenths of a second each, a large
+    share of a small model's planning (benchmarks/results/quickstart.md). What was alive on entry is collected
+    once, then set aside (`gc.freeze`) until the exit, when it rejoins the oldest generation. Where the process has frozen objects
     already (its own `gc.freeze`), nothing changes: unfreezing on exit would release its objects too."""
     if gc.get_freeze_count() or not gc.isenabled():
         yield
@@ -427,14 +430,15 @@ def measure_step_peaks(
 
 ALLOCATOR_OVERHEAD = 0.2
 """What CUDA's caching allocator may reserve beyond the bytes a step's tensors take, as a fraction of them:
-free pieces of blocks split by earlier requests, too small for a later, larger one. On an H100, a plan's
-step capped at 4,195 MB (`set_per_process_memory_fraction`) ran out asking for its loss's 524 MB with
-3,363 MB allocated and 3,857 MB reserved: 493 MB, 14.7 % of what was allocated, lay in split blocks."""
+free pieces of blocks split by earlier requests, too small for a later, larger one. A fifth is above what
+split blocks held when a capped step ran out on an H100 (benchmarks/results/gpu-h100.md, "Planning under a
+cap")."""
 
 EXPANDABLE_OVERHEAD = 0.1
 """The same under `expandable_segments:True`, whose segments grow page by page instead of splitting fixed
-blocks: 1.4 % reserved over allocated at that planning's peak on the H100, yet a plan predicted 2.4 % under
-the cap still ran out there (pages are 2 MB, small tensors share 2 MB blocks): a tenth until measured closer."""
+blocks; small tensors still share 2 MB pages, so a plan predicted just under a cap can still run out: a tenth,
+until measured closer (benchmarks/results/gpu-h100.md, "Planning under a cap
+(expandable_segments:True)")."""
 
 
 def _expandable_segments() -> bool:
