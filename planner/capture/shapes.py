@@ -92,8 +92,8 @@ def export_dynamic(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
 
     A model that pins a size in a way export cannot express symbolically is exported static; its plan
     then re-plans for any other shape. Inputs on the meta device are exported static: their module never
-    runs a step, so dynamic sizes would buy nothing, and symbolic shapes double the time export takes
-    (14 against 7.5 s for a Llama-2-7B).
+    runs a step, so dynamic sizes would buy nothing, and symbolic shapes about double the time export
+    takes on a large model.
     """
     dynamic = None
     if not _on_meta(args, kwargs):

@@ -145,8 +145,8 @@ def _as_node(cls: type, run, args: tuple, kwargs: dict) -> Any:
 MAX_GRAPH_NODES = 50_000
 """The most nodes a captured graph may have (CKPT_PLANNER_MAX_NODES sets another). The largest models
 planned here have a few thousand (a 70B Llama's exported step, about 5,000); the planner's passes
-grow faster than the graph, and a 300,000-node graph ran for minutes without a word. Past the bound,
-capture stops as it goes (tracing costs about 0.2 ms a node) and says so in one line."""
+grow faster than the graph, and a graph of hundreds of thousands of nodes runs for minutes without a word.
+Past the bound, capture stops as it goes and says so in one line."""
 
 MAX_NODES_ENV = "CKPT_PLANNER_MAX_NODES"
 

@@ -3,10 +3,9 @@ later run returns, while it fits.
 
 Node times are measurements. With the timing store two runs read the same times, but a later run may
 heal one that load inflated in the first profile (profile/timing_store.py), and near-equal plans then
-swap places for a gain far inside what a measured step can tell apart (the trade-off benchmark's
-steps spread by about 9 % between repeats of one plan; the swaps it recorded gained 0.3-1.4 % of a
-step). A first run on a loaded machine may also time the model two or three times slower than the
-next run heals it to, and then no band holds the choice. So the store keeps, per graph, budget and
+swap places for a gain far inside what a measured step can tell apart (repeats of one plan's step
+spread wider than such a gain on a loaded CPU). A first run on a loaded machine may also time the model
+two or three times slower than the next run heals it to, and then no band holds the choice. So the store keeps, per graph, budget and
 solver settings, the plan chosen first, and a later run returns it whenever it is still a plan of the
 graph that fits the budget planned for: a user's first plan is the plan they get next time (as an
 autotuner's cache keeps its first choice). Where this run's own solve is predicted faster by more than

@@ -1,11 +1,11 @@
 """The Python code of a graph with its aten calls bound to the C++ operator, for running outside a tracer.
 
 fx writes every aten call as `torch.ops.aten.linear.default(x, w, b)`: four attribute
-lookups and `OpOverload.__call__`, a Python frame, before the dispatcher. Measured on the
-trade-off benchmark's Llama (2-core CPU, 311 aten calls in the forward), that made the captured
-graph's step 3-4 % slower than eager; with the calls bound to the operator itself
-(`OpOverload._op`, the same dispatcher entry, so the same kernels and bitwise the same results) the
-gap was about 1 %. A recomputed region runs its code twice, so regions gain twice.
+lookups and `OpOverload.__call__`, a Python frame, before the dispatcher. On a small model on the
+CPU, a few hundred aten calls a forward, that makes the captured graph's step a few per cent slower
+than eager; binding the calls to the operator itself (`OpOverload._op`, the same dispatcher entry, so
+the same kernels and bitwise the same results) removes most of it. A recomputed region runs its code
+twice, so regions gain twice.
 
 `torch.compile` cannot trace the bound operators, so the checkpointed module and its regions keep
 fx's own code for tracing (`torch.compiler.is_compiling()`) and run this one otherwise.

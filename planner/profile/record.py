@@ -144,7 +144,7 @@ class CostProfiler(fx.Interpreter):
         # Weak references: every autograd node saving through this hook keeps the hook (and what
         # it refers to) alive until its own backward, so a strong list would hold all of the fx
         # node's saved tensors until its last autograd node ran, where a real step frees each
-        # one after its own (a decomposed attention's probabilities, +8 % on a Wav2Vec2).
+        # one after its own (a decomposed attention's probabilities: Wav2Vec2's would be over-counted).
         packed: list[weakref.ref] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
