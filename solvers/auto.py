@@ -51,21 +51,18 @@ the graph's size, and on graphs of repeated blocks its proven gap stalls at a fe
 (the coarse model's LP bound is weak): the solver would spend any limit proving nothing."""
 ROOT_ONLY_NODES = 1000
 """Nodes above which auto's (coarsened) MILP also stops after its root node (the root's LP, cuts and
-heuristics, no branching), when that comes before COARSE_MILP_S. On a Llama-2-7B (1,927 nodes, 95 coarse) every
-plan the search finds in 30 s it finds at the root, in under 2 s of CPU, and the tree beyond spends the rest of
-the seconds failing to close a gap of 2.5 %. Where the root takes longer (a 28-layer Mistral: over 7 s), the
-clock stops the search as it did without the bound."""
+heuristics, no branching), when that comes before COARSE_MILP_S: on graphs this large (a Llama-2-7B's step,
+benchmarks/results/scale.md) the root finds the plans a longer search finds, and the tree beyond it spends its
+seconds failing to close the gap. Where the root takes longer, the clock stops the search."""
 
 
 def ilp_time_limit(problem: Problem, time_limit: float | None) -> float | None:
     """Seconds auto gives the MILP: about one, growing with the MILP's size, which coarsening holds at
-    `ilp.MAX_NODES` nodes whatever the graph's (1.9 s there). Above ROOT_ONLY_NODES the MILP stops at its
+    `ilp.MAX_NODES` nodes whatever the graph's. Above ROOT_ONLY_NODES the MILP stops at its
     root, which on the largest graphs takes longer: up to COARSE_MILP_S.
 
-    The clock follows the MILP, not the graph: on graphs of 187 to 773 nodes (GPT-2 of 4 and 12 layers, Llama
-    of 6 and 12, BERT of 6; FLOP times, 0.3 to 0.7 of their activations), 1.9 s found the same plan as the
-    2.7-5 s the graph's size gave, or a better one (a coarse MILP's incumbent at 1.9 s kept more ops
-    inside its regions than its later optimum)."""
+    The clock follows the MILP, not the graph: given the graph's size in seconds instead, the MILP of a
+    GPT-2, Llama or BERT found the same plans or worse (benchmarks/results/quickstart.md)."""
     if problem.n > ROOT_ONLY_NODES:
         scaled = COARSE_MILP_S
     else:

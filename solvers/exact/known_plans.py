@@ -3,9 +3,9 @@
 The MILP is exact over flat region plans only, and only when the graph is not
 coarsened and the solver reaches its gap within the time limit. `dp` searches
 nested plans (the rotor family, multi-level schedules included) that reach
-lower peaks and, at tight budgets, less recompute than any flat plan: on an
-MLP stack under bf16 autocast its least budget is 1.48 MB against the flat
-optimum's 1.58 MB. A coarsened MILP can also lose to plain uniform segments on
+lower peaks and, at tight budgets, less recompute than any flat plan (an MLP
+stack under bf16 autocast: tests/unit/solvers/test_ilp_not_worse_than_dp.py).
+A coarsened MILP can also lose to plain uniform segments on
 the fine graph. So `ilp`'s plan space is the flat plans (the MILP) together
 with these known plans:
 

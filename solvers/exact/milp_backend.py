@@ -130,7 +130,7 @@ def _highs_solver() -> type:
 
     It is not handed a start: pulp 3.3 never did (it passes `warmStart` on as an option HiGHS does not know),
     the plans `ilp` returns were chosen that way, and a started HiGHS proves flat optima that kept ops then
-    improve less on some models (a ConvNeXt at 20 % of its memory: 3.6e-5 s against 2.7e-5 s). `ilp` compares
+    improve less on some models (a ConvNeXt at a fifth of its memory). `ilp` compares
     its start with the MILP's answer itself."""
     import highspy
     import pulp

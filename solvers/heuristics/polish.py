@@ -3,20 +3,16 @@
 The solvers' lowest-peak plans are the lowest of their own plan spaces: the ILP's graph is coarsened
 (runs of nodes merged, so some region bounds cannot be placed), dp's regions follow its own segment
 structure. Where no plan of the portfolio fits a budget, `auto` polishes the plan of least peak with this
-local search before it names the smallest budget, and takes the polished plan where it fits. On a stock
-Llama (4 layers x 128) with its token-wise work chunked, at 2,048 tokens, the ILP's lowest peak was
-27.69 MB; merging two attention regions and moving a region's end off an attention output gave 25.50 MB,
-and nesting layer 0's part in the region of layers 0 and 1 gave 24.06 MB (measured: 24.06 MB).
+local search before it names the smallest budget, and takes the polished plan where it fits. On a small
+Llama with its token-wise work chunked, merging regions, moving a region's end off an attention output and
+nesting one region in another lower the least peak by about an eighth (benchmarks/results/reach-one-thread.md).
 
 Each step tries every move of one region (its start or its end to any node between its neighbours, a
 split at any node, a merge with the next region, dropping it) and takes the one of least peak, then of
 least recompute; where no such move lowers the peak, the same with one region nested at a region's start
-or end (at most one at each end of a region); then with one region more around a run of regions. With the
-chunked LM head's weight gradient accumulated in place (lower/chunk.py), two torch threads and 2,048 tokens,
-the peak moved to layer 3's attention backward (25.06 MB, CPU flash attention's scratch 3.15 MB); one
-region around layers 0-2's regions, up to layer 2's chunked call, gave 24.42 MB (measured: 24.42 MB).
-The work is bounded by node-simulations (`max_work`), not by a clock, so the plan is the same on any
-machine.
+or end (at most one at each end of a region); then with one region more around a run of regions (where the
+peak sits in a late layer's backward, one region around the earlier layers' regions lowers it). The work is
+bounded by node-simulations (`max_work`), not by a clock, so the plan is the same on any machine.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from ..simulate import simulate
 __all__ = ["MAX_WORK", "lower_peak", "lowest_polished"]
 
 MAX_WORK = 1_000_000
-"""Nodes simulated at most (simulations x nodes): about 2 s on a 2-core CPU."""
+"""Nodes simulated at most (simulations x nodes): a few seconds of a CPU, small beside planning itself."""
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -130,8 +126,7 @@ def lowest_polished(problem: Problem, plans, target: int | None = None,
                     max_work: int = MAX_WORK) -> tuple[Regions, int, Regions]:
     """(regions, peak, start) of the lowest of `plans` each polished (`lower_peak`, fewer regions on a tie),
     in order of their own peak, until one is within `target`. The search is local, so where it ends
-    depends on where it starts: on a stock Llama at 2,048 tokens (one torch thread) greedy's plan and
-    uniform's had the same peak, 26.68 MB, and polished to 26.08 MB and 24.06 MB."""
+    depends on where it starts: two plans of equal peak can polish to different ones."""
     starts = sorted({tuple(map(tuple, r)) for r in plans}, key=lambda r: (simulate(problem, r).peak_bytes, len(r)))
     best: tuple[int, int, Regions, Regions] | None = None
     for start in starts:
