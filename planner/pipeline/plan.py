@@ -79,15 +79,20 @@ def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def measure_loss(loss_fn: Any, output: Any, target: Any) -> int:
+def measure_loss(loss_fn: Any, output: Any, target: Any) -> tuple[int, int]:
     """The most bytes `loss_fn(output, target)` and its backward hold at once beyond `output` and `target`
-    (live tensors, `LiveMemory`), the gradient of `output` included: the loss is the schedule's, outside
-    the stage's module and its plan."""
+    (live tensors, `LiveMemory`), the gradient of `output` included, and the bytes it leaves alive once
+    its backward is done, that gradient excluded (the loss, which the schedule keeps): the loss is the
+    schedule's, outside the stage's module and its plan."""
     out = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, output)
     meter = LiveMemory()
     with meter:
-        loss_fn(out, target).backward()
-    return meter.peak
+        loss = loss_fn(out, target)
+        loss.backward()
+    grads = _nbytes([t.grad for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad is not None])
+    kept = max(0, meter.current - grads)
+    del loss
+    return meter.peak, kept
 
 
 def _as_tuple(inputs: Any) -> tuple:
@@ -110,9 +115,10 @@ def plan_stage(module: torch.nn.Module, example_inputs: Any, *, schedule: type, 
     try:
         with torch.no_grad():
             output = module(*inputs)
-        loss_peak = measure_loss(loss_fn, output, target) if loss_fn is not None and stage == n_stages - 1 else 0
+        loss_peak, loss_kept = (measure_loss(loss_fn, output, target) if loss_fn is not None and
+                                stage == n_stages - 1 else (0, 0))
         spec = StageSpec(stage, n_stages, schedule, n_microbatches, _nbytes(inputs), _nbytes(output),
-                         n_microbatches * _nbytes(target), loss_peak)
+                         n_microbatches * _nbytes(target), loss_peak, loss_kept)
         planner = Planner(module, inputs, **setup)
         problem = planner.problem
         candidates = (per_layer_regions(problem, per_layer),) if per_layer else ()

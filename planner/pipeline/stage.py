@@ -7,12 +7,22 @@ and not yet backwarded (`schedule.in_flight`): `k - 1` of them as what their for
     fixed:     parameters + their gradients (kept across microbatches) + optimizer state
     buffers:   the stage's inputs for every microbatch (the first stage's batch, the others' receive
                buffers, which `PipelineStage` allocates once per microbatch) and, but on the last stage,
-               a gradient receive buffer per microbatch the size of the stage's output; the caller's
-               targets on the last stage (`target_bytes`)
+               a gradient receive buffer per microbatch the size of the stage's output; the gradient
+               of the stage's input sent back for the previous microbatch, which the schedule's send
+               holds through the next backward (none on the first stage); the caller's targets on
+               the last stage (`target_bytes`)
     held:      (k - 1) x what one microbatch's forward leaves saved under the plan (its output included)
-    running:   one microbatch's step peak under the plan, gradients already made (the steady state)
-    outputs:   on the last stage, the outputs of the microbatches already done, which the schedule
-               keeps to return them at the end of the step, when it concatenates them (twice the bytes)
+    running:   one microbatch's step peak under the plan, gradients already made (the steady state);
+               on the last stage with the loss step on top (below)
+    outputs:   on the last stage, the outputs and losses of the microbatches already done, which the
+               schedule keeps to return them at the end of the step, when it concatenates the outputs
+               (twice their bytes)
+
+The last stage's loss runs between its forward and its backward, outside the stage's graph: its own
+peak (`loss_peak_bytes`, the output's gradient included) sits on the forward's end, the output's
+gradient on the first backward step (the profile's own loss, a sum, hands back an expanded scalar),
+and what the loss leaves alive (`loss_kept_bytes`: the loss, which the schedule keeps) on every
+backward step after.
 
 The held and running figures depend on the plan, so the stage is planned by a search over the budget
 its single-microbatch step is given: the largest inner budget whose plan keeps the whole stage within
@@ -54,6 +64,9 @@ class StageSpec:
     """The last stage's loss step on one microbatch's output: the most bytes its forward and backward
     hold at once beyond the output and the target (measured, `measure_loss`), the output's gradient
     included."""
+    loss_kept_bytes: int = 0
+    """What the last stage's loss step leaves alive once its backward is done, the output's gradient
+    excluded: the loss, which the schedule keeps until the step ends (bytes, one microbatch)."""
 
     @property
     def is_last(self) -> bool:
@@ -96,23 +109,36 @@ def stage_figures(problem: Problem, spec: StageSpec, regions=(), saved=()) -> St
     # problem.input_bytes is the running microbatch's input: one of the n_microbatches buffers
     inputs = spec.n_microbatches * spec.input_bytes - problem.input_bytes
     grad_recv = 0 if spec.is_last else spec.n_microbatches * spec.output_bytes
-    # The gradient of the stage's input, sent back, stays held by its send until the schedule waits on it
-    # after the next backward: two are alive at once (none on the first stage, whose input needs none).
-    grad_send = 0 if spec.stage == 0 else 2 * spec.input_bytes
-    outputs_kept = (spec.n_microbatches - 1) * spec.output_bytes if spec.is_last else 0
+    # The gradient of the stage's input, sent back after each backward: the schedule's send ops hold the
+    # previous microbatch's through the next forward and backward (measured at the backward's peak).
+    grad_send = 0 if spec.stage == 0 else spec.input_bytes
+    done = spec.n_microbatches - 1  # the last stage's microbatches already through, at the last backward
+    outputs_kept = done * (spec.output_bytes + spec.loss_kept_bytes) if spec.is_last else 0
     targets = spec.target_bytes if spec.is_last else 0
     buffers = inputs + grad_recv + grad_send + targets
     running = sim.peak_bytes
     if spec.is_last:
-        # The loss is the schedule's, outside the stage's graph: the profile's own loss (a sum, whose
-        # gradient is an expanded scalar) stands in for it there. Its step's bytes, the output's gradient
-        # included, count on top of the stage's step peak, which follows it at the top of the backward.
-        running += spec.loss_peak_bytes
+        running = _with_loss(sim.timeline, problem.n, spec)
     peak = running + (k - 1) * held + buffers + outputs_kept
     if spec.is_last:  # the step's end: the kept outputs and their concatenation, which the schedule returns
-        peak = max(peak, steady.fixed_bytes + buffers + 2 * spec.n_microbatches * spec.output_bytes)
+        peak = max(peak, steady.fixed_bytes + buffers + 2 * spec.n_microbatches * spec.output_bytes
+                   + spec.n_microbatches * spec.loss_kept_bytes)
     parts = {"running": running, "held": (k - 1) * held, "buffers": buffers, "outputs_kept": outputs_kept}
     return StageFigures(peak, k, held, running, buffers, sim.recompute_time, parts)
+
+
+def _with_loss(timeline: list[tuple[str, int, int]], n: int, spec: StageSpec) -> int:
+    """One microbatch's step peak on the last stage with the schedule's loss step in it (bytes): the loss's
+    peak on the forward's end, the output's gradient on the first backward step (node n - 1, whose
+    backward consumes it), the kept loss on the backward steps after."""
+    forward = [b for phase, _, b in timeline if phase == "forward"]
+    most = max(forward, default=0)
+    if forward:
+        most = max(most, forward[-1] + spec.loss_peak_bytes)
+    for phase, node, b in timeline:
+        if phase != "forward":
+            most = max(most, b + spec.loss_kept_bytes + (spec.output_bytes if node == n - 1 else 0))
+    return most
 
 
 def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], ...]:

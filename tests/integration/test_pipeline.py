@@ -1,7 +1,7 @@
 """A Llama-shaped model in 4 pipeline stages under Schedule1F1B, 8 microbatches, 4 gloo processes.
 
 Each rank runs its own stage's plan (rank 0 planned every stage and broadcast); its peak over a real
-pipeline step, on the live-tensor meter, stays within the per-GPU budget and within 2 % of the
+pipeline step, on the live-tensor meter, stays within the per-GPU budget and within 0.5 % of the
 prediction, and the loss and every gradient equal the single-process model's bitwise: each stage's
 plan recomputes exactly, and the schedule sums the microbatches' gradients in microbatch order, as the
 reference does.
@@ -100,7 +100,7 @@ def test_four_stages_1f1b_fit_their_budget_and_match_one_process(tmp_path):
     assert [r["in_flight"] for r in results] == [4, 3, 2, 1]
     for r in results:
         assert r["measured"] <= r["budget"], r
-        assert abs(r["measured"] - r["predicted"]) <= 0.02 * r["predicted"], r
+        assert abs(r["measured"] - r["predicted"]) <= 0.005 * r["predicted"], r
         assert r["grads_equal"] and r["losses_equal"], r
     assert results[-1]["n_losses"] == MICROBATCHES
     # the first stage holds four microbatches: it recomputes, the last holds one and keeps everything
