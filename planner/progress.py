@@ -12,22 +12,28 @@ terminal alike, since it does not depend on a TTY.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-__all__ = ["logger", "stage", "progress_enabled", "native_stderr_dropped"]
+__all__ = ["logger", "stage", "stages_seen", "progress_enabled", "native_stderr_dropped"]
 
 logger = logging.getLogger("ckpt_planner")
 
 _FORMAT = "ckpt_planner %(levelname)s %(message)s"
 
+_LISTENERS: contextvars.ContextVar[tuple[Callable[[str], None], ...]] = contextvars.ContextVar("stages", default=())
+"""Who is told each stage's name as it starts (`stages_seen`): logging may be disabled where they listen."""
+
 
 @contextlib.contextmanager
 def stage(name: str, detail: str = "") -> Iterator[None]:
     """Log the start and the end (with seconds taken) of one pipeline stage."""
+    for listen in _LISTENERS.get():
+        listen(name)
     logger.info("%s: start%s", name, f" ({detail})" if detail else "")
     t0 = time.perf_counter()
     try:
@@ -36,6 +42,17 @@ def stage(name: str, detail: str = "") -> Iterator[None]:
         logger.info("%s: failed after %.2f s (%s)", name, time.perf_counter() - t0, type(e).__name__)
         raise
     logger.info("%s: done in %.2f s", name, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def stages_seen(listen: Callable[[str], None]) -> Iterator[None]:
+    """Call `listen(name)` as each stage starts, for the duration (a command line's progress bar), whether
+    or not logging shows anything."""
+    token = _LISTENERS.set((*_LISTENERS.get(), listen))
+    try:
+        yield
+    finally:
+        _LISTENERS.reset(token)
 
 
 class _Handler(logging.StreamHandler):

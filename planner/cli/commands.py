@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import sys
 import warnings
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .cli_args import build_parser
+from .loading import inputs_named
+from .outputs import bar_stage, err, no_logs, note, one_line, one_line_warnings, out, progress_bar, say
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -47,10 +48,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     plan.baseline_measured_peak_bytes = report.baseline_measured_peak_bytes
     ok = report.exact and report.within_budget
     if args.json:
-        _out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
+        out(args, json.dumps({"plan": plan.to_dict(), "verify": _report_dict(report)}, indent=2))
     else:
-        _out(args, plan.summary())
-        _out(args, verdict_line(report, _race_band(plan)))
+        out(args, plan.summary())
+        out(args, verdict_line(report, _race_band(plan)))
     return EXIT_OK if ok else EXIT_FAIL
 
 
@@ -116,7 +117,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         loaded, inputs, record = _model_and_inputs(args)
         model = loaded.model
     meta = args.meta or args.device == "meta"
-    named = _inputs_named(loaded, inputs, record) if args.model is not None else contextlib.nullcontext()
+    named = inputs_named(loaded, inputs, record) if args.model is not None else contextlib.nullcontext()
     with ModelState(model).preserved(), named:
         cap = capture(model, inputs)
         cost = profile(cap, ProfileConfig(meta=meta))
@@ -132,22 +133,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "estimated_nodes": sum(n.time_estimated for n in cost.nodes),
     }
     if args.json:
-        _out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
+        out(args, json.dumps({"totals": totals, "nodes": rows}, indent=2))
         return EXIT_OK
     # Columns as wide as their longest entry: names are never cut (they are what `plan` files and notes cite).
     from .outputs import printable
 
     shown = [{**r, **{k: printable(str(r[k])) for k in ("node", "target", "module")}} for r in rows]
     w = {k: max([len(k), *(len(r[k]) for r in shown)]) for k in ("node", "target", "module")}
-    _out(args, f"{'node':<{w['node']}} {'target':<{w['target']}} {'module':<{w['module']}} "
+    out(args, f"{'node':<{w['node']}} {'target':<{w['target']}} {'module':<{w['module']}} "
                f"{'saved':>10} {'output':>10} {'time ms':>8}")
     for r in shown:
-        _out(
+        out(
             args,
             f"{r['node']:<{w['node']}} {r['target']:<{w['target']}} {r['module']:<{w['module']}} "
             f"{_fmt(r['saved_bytes']):>10} {_fmt(r['out_bytes']):>10} {r['time_s'] * 1e3:>8.3f}"
         )
-    _out(
+    out(
             args,
         f"total: {totals['nodes']} nodes ({cap.method}), saved for backward {_fmt(totals['saved_bytes'])}, "
         f"forward {totals['forward_s'] * 1e3:.1f} ms ({cost.time_source}"
@@ -159,49 +160,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 # -- shared by plan / apply / bench / report ------------------------------------------------
-
-
-def _out(args: argparse.Namespace, text: str) -> None:
-    """The command's result on the real stdout (user code runs with stdout sent to stderr); names from
-    files and graphs in it are shown with their control characters escaped (outputs.printable)."""
-    from .outputs import printable
-
-    print(printable(text), file=getattr(args, "stdout", None) or sys.stdout)
-
-
-def _err(text: str) -> None:
-    """One line on stderr, its control characters escaped: error messages quote names from the files."""
-    from .outputs import printable
-
-    print(f"ckpt-planner: {printable(text)}", file=sys.stderr)
-
-
-def _say(args: argparse.Namespace, text: str) -> None:
-    """Human-readable output: stdout, unless --quiet or --json."""
-    if not args.quiet and not args.json:
-        _out(args, text)
-
-
-def _note(args: argparse.Namespace, text: str) -> None:
-    if not args.quiet:
-        _err(text)
-
-
-def _bar(args: argparse.Namespace, total: int, desc: str):
-    """A tqdm bar on stderr; off with --quiet or when stderr is not a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, desc=desc, file=sys.stderr, leave=False, disable=args.quiet or not sys.stderr.isatty(),
-        bar_format="{desc:<30} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
-    )
-
-
-@contextlib.contextmanager
-def _stage(bar, desc: str) -> Iterator[None]:
-    bar.set_description_str(desc)
-    yield
-    bar.update(1)
 
 
 def _check_output(path: str, what: str, *, folder: bool = False, args: argparse.Namespace | None = None) -> Path:
@@ -248,31 +206,13 @@ def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None 
     return loaded, inputs, record
 
 
-@contextlib.contextmanager
-def _inputs_named(loaded, inputs, record: dict[str, Any]) -> Iterator[None]:
-    """A capture or profile failure that the inputs caused becomes an InputError naming them."""
-    from ..capture.preflight import explain_failure
-    from ..errors import CaptureError, ProfileError
-
-    try:
-        yield
-    except (CaptureError, ProfileError) as e:
-        reference = loaded.example_inputs
-        if reference is None:
-            reference = getattr(loaded.model, "example_input_array", None)
-        better = explain_failure(loaded.model, inputs, reference, e, record.get("inputs"))
-        if better is None:
-            raise
-        raise better from None
-
-
 def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
     """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
     `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
     from ..api import Planner
     from ..capture.preflight import nothing_to_plan
 
-    with _stage(bar, "capturing and profiling"), _inputs_named(loaded, inputs, record):
+    with bar_stage(bar, "capturing and profiling"), inputs_named(loaded, inputs, record):
         planner = Planner(
             loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
             check_step=getattr(args, "check_step", True), feasible_for=feasible_for,
@@ -287,78 +227,79 @@ def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"budget_gb": args.budget_gb, "budget_bytes": args.budget_bytes, "activation_budget": args.activation_budget}
 
 
+def _plan_settings(args: argparse.Namespace):
+    """`plan`'s arguments as plan_model's (Setup, PlanRequest); the settings check their own values."""
+    from ..settings import PlanRequest, Setup
+
+    setup = Setup.of(device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
+                     check_step=args.check_step, exact=args.exact, compile=args.compile, lowering=args.lowering)
+    return setup, PlanRequest.of(solver=args.solver, autotune=args.autotune, **_budget_kwargs(args))
+
+
+@contextlib.contextmanager
+def _planning_stages(bar, solver: str) -> Iterator[None]:
+    """`bar`'s two planning steps, capture and profile then solve, moved on as plan_model's stages start."""
+    from ..progress import stages_seen
+
+    bar.set_description_str("capturing and profiling")
+    done = 0
+
+    def seen(name: str) -> None:
+        nonlocal done
+        if name == "solve" and not done:
+            done = 1
+            bar.update(1)
+            bar.set_description_str(f"solving ({solver})")
+
+    with stages_seen(seen):
+        yield
+    bar.update(2 - done)
+
+
 # -- plan -----------------------------------------------------------------------------------
 
 
-def _plan_inexact(args: argparse.Namespace, loaded, inputs, exact_planner):
-    """--no-exact: the exact plan where it fits, else token-wise work chunked (optimize(exact=False))."""
-    from ..api import Planner
-    from ..choose.inexact import inexact_setup, plan_inexact
-    from ..settings import PlanRequest
-
-    def make(exact: bool):
-        return exact_planner if exact else Planner(loaded.model, inputs, setup=inexact_setup(exact_planner.setup, False))
-
-    request = PlanRequest.of(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
-    return plan_inexact(make, request)
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Plan checkpointing for a saved model; write the plan file (with the report's data)."""
+    """Plan checkpointing for a saved model (planner.api.plan_model, which captures, profiles and branches
+    to the compiled, chunked or in-parts paths); write the plan file (with the report's data)."""
+    from ..api import plan_model
     from ..errors import InputError
-    from ..solvers.registry import get_solver
     from .report_data import plan_data
 
-    get_solver(args.solver)
+    setup, request = _plan_settings(args)  # a bad solver or lowering fails here, before the model loads
     if args.verify and args.device == "meta":
         raise InputError("verify: a plan made on the meta device cannot be run; drop --verify or use --device cpu/cuda")
-    if args.compile and args.device == "meta":
-        raise InputError("compile: a --compile plan is compiled and measured on real tensors; "
-                         "use --device cpu/cuda or drop --compile")
     if args.compile and args.verify:
         raise InputError("verify: a --compile plan is measured compiled while planning (its summary shows the "
                          "measured peak); drop --verify")
-    if args.lowering != "best" and not args.compile:
-        raise InputError(f"lowering: {args.lowering!r} applies to --compile plans only; add --compile or drop --lowering")
     curve_solvers = _curve_solvers(args)
-    out = _check_output(args.output, "output", args=args) if args.output else None
+    target = _check_output(args.output, "output", args=args) if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
-    model = loaded.model
-    with _bar(args, 2 + bool(curve_solvers) + bool(args.verify), "planning") as bar:
-        budget = _budget_kwargs(args)
-        early = {**budget, "solver": args.solver} if any(v is not None for v in budget.values()) and not args.compile else None
-        planner = _planner(args, loaded, inputs, record, bar, feasible_for=early)
-        with _stage(bar, f"solving ({args.solver})"):
-            if args.compile:
-                from ..compile.compiled import CompiledPlanner
-
-                plan = CompiledPlanner(planner, lowering=args.lowering).plan(solver=args.solver, **_budget_kwargs(args))
-            elif not getattr(args, "exact", True):
-                plan, planner = _plan_inexact(args, loaded, inputs, planner)
-            else:
-                plan = planner.plan(solver=args.solver, autotune=getattr(args, "autotune", None), **_budget_kwargs(args))
+    with progress_bar(args, 2 + bool(curve_solvers) + bool(args.verify), "planning") as bar:
+        with _planning_stages(bar, args.solver), inputs_named(loaded, inputs, record):
+            plan = plan_model(loaded.model, inputs, setup, request)
         # the timeline is two replays; the curves (asked for with --curve-points) are tens of solves
         bar.set_description_str("memory/overhead curves" if curve_solvers else "memory timeline")
-        plan.stats.update(plan_data(plan, planner.problem, _curve_solvers(args, planner.problem), args.curve_points))
+        plan.stats.update(plan_data(plan, plan.problem, _curve_solvers(args, plan.problem), args.curve_points))
         if curve_solvers:
             bar.update(1)
         plan.stats["cli"] = {**record, "optimizer": args.optimizer}
         ok, failure, verdict = True, "", ""
         if args.verify:
-            with _stage(bar, "verifying"):
-                ok, failure, verdict = _verify_into(plan, model, inputs)
-    if out is not None and ok:
-        _write_atomic(out, json.dumps(plan.to_dict(), indent=2))  # as Plan.save writes it
+            with bar_stage(bar, "verifying"):
+                ok, failure, verdict = _verify_into(plan, loaded.model, inputs)
+    if target is not None and ok:
+        _write_atomic(target, json.dumps(plan.to_dict(), indent=2))  # as Plan.save writes it
     if args.json:
-        _out(args, json.dumps(plan.to_dict(), indent=2))
+        out(args, json.dumps(plan.to_dict(), indent=2))
     else:
-        _say(args, plan.summary())
+        say(args, plan.summary())
         if verdict:
-            _say(args, verdict)
-        if out is not None and ok:
-            _say(args, f"plan written to {out}")
+            say(args, verdict)
+        if target is not None and ok:
+            say(args, f"plan written to {target}")
     if not ok:
-        _err(f"verification failed: {failure}; no plan written")
+        err(f"verification failed: {failure}; no plan written")
         return EXIT_FAIL
     return EXIT_OK
 
@@ -412,24 +353,24 @@ def cmd_apply(args: argparse.Namespace) -> int:
     """Rebuild a plan on a model and write the checkpointed module as a folder that loads back."""
     from .applied import write_applied
 
-    out = _check_output(args.output, "output folder", folder=True)
+    target = _check_output(args.output, "output folder", folder=True)
     plan = _load_plan(args.plan)
     recorded = plan.stats.get("cli") if isinstance(plan.stats.get("cli"), dict) else None
     loaded, inputs, record = _model_and_inputs(args, recorded)
-    with _inputs_named(loaded, inputs, record):
+    with inputs_named(loaded, inputs, record):
         plan.rebuild(loaded.model, inputs)
-    write_applied(out, loaded=loaded, plan=plan, example_inputs=inputs)
+    write_applied(target, loaded=loaded, plan=plan, example_inputs=inputs)
     regions = sum(1 for _ in plan.regions)
     if args.json:
-        _out(args, json.dumps({"output": str(out), "regions": regions, "fingerprint": plan.fingerprint}))
+        out(args, json.dumps({"output": str(target), "regions": regions, "fingerprint": plan.fingerprint}))
     pickled = loaded.kind == "pickle" or (loaded.kind == "pt2" and args.trust_pickle)
     flag = ", trust_code=True" if loaded.kind == "factory" else ", trust_pickle=True" if pickled else ""
     cli_flag = " --trust-code" if loaded.kind == "factory" else " --trust-pickle" if pickled else ""
-    _say(
+    say(
         args,
-        f"wrote {out}/ ({regions} checkpointed regions; generated code in {out}/code/)\n"
-        f"load it:   from ckpt_planner.cli.loading import load_applied; module = load_applied({str(out)!r}{flag}).module\n"
-        f"or check:  python {out}/load.py{cli_flag}   (one training step)",
+        f"wrote {target}/ ({regions} checkpointed regions; generated code in {target}/code/)\n"
+        f"load it:   from ckpt_planner.cli.loading import load_applied; module = load_applied({str(target)!r}{flag}).module\n"
+        f"or check:  python {target}/load.py{cli_flag}   (one training step)",
     )
     return EXIT_OK
 
@@ -453,29 +394,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not names:
         raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(SOLVERS))}")
     for n in skipped:
-        _note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
-    out = _check_output(args.output, "output", args=args) if args.output else None
+        note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
+    target = _check_output(args.output, "output", args=args) if args.output else None
     loaded, inputs, record = _model_and_inputs(args)
-    with _bar(args, 1 + len(names), "bench") as bar:
+    with progress_bar(args, 1 + len(names), "bench") as bar:
         planner = _planner(args, loaded, inputs, record, bar)
         bar.set_description_str("solving, verifying, timing")
         result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
     result.update(device=args.device, source=record, skipped=skipped)
     if not any(r["status"] == "ok" for r in result["rows"]):
         reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
-        _err(f"no solver produced a plan ({reasons}); no bench file written")
+        err(f"no solver produced a plan ({reasons}); no bench file written")
         return EXIT_FAIL
-    if out is not None:
-        _write_atomic(out, json.dumps(result, indent=2))
+    if target is not None:
+        _write_atomic(target, json.dumps(result, indent=2))
     if args.json:
         rows = [{k: v for k, v in r.items() if k != "timeline"} for r in result["rows"]]
-        _out(args, json.dumps({**result, "rows": rows}, indent=2))
+        out(args, json.dumps({**result, "rows": rows}, indent=2))
     else:
-        _say(args, rep.bench_table(result) + (f"\nbench written to {out}" if out else ""))
+        say(args, rep.bench_table(result) + (f"\nbench written to {target}" if target else ""))
     bad = [r["solver"] for r in result["rows"]
            if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
     if bad:
-        _err(f"verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)")
+        err(f"verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)")
         return EXIT_FAIL
     return EXIT_OK
 
@@ -493,8 +434,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..errors import InputError, PlanFileError
     from . import report as rep
 
-    out = _check_output(args.output, "output", args=args)
-    fmt = args.format or ("md" if out.suffix.lower() in (".md", ".markdown") else "html")
+    target = _check_output(args.output, "output", args=args)
+    fmt = args.format or ("md" if target.suffix.lower() in (".md", ".markdown") else "html")
     loaded_plan = _load_plan(args.plan)
     hint = None if isinstance(loaded_plan.stats.get("curves"), dict) else _report_curves(args, loaded_plan)
     plan = loaded_plan.to_dict()
@@ -509,13 +450,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         if isinstance(e, (InputError, PlanFileError)):
             raise
         where = f"plan file {args.plan!r}" + (f" or bench file {args.bench!r}" if args.bench else "")
-        raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {_one_line(e)[:120]})") from None
-    _write_atomic(out, text)
+        raise PlanFileError(f"{where}: a field is malformed ({type(e).__name__}: {one_line(e)[:120]})") from None
+    _write_atomic(target, text)
     if hint:  # after the write: a failure is one line, the hint comes only with a report
-        _note(args, hint)
+        note(args, hint)
     if args.json:
-        _out(args, json.dumps({"output": str(out), "format": fmt, "bytes": len(text.encode())}))
-    _say(args, f"report written to {out}")
+        out(args, json.dumps({"output": str(target), "format": fmt, "bytes": len(text.encode())}))
+    say(args, f"report written to {target}")
     return EXIT_OK
 
 
@@ -539,12 +480,12 @@ def _report_curves(args: argparse.Namespace, plan) -> str | None:
     optimizer = (recorded or {}).get("optimizer", "none")
     args.optimizer = optimizer if optimizer in ("adamw", "adam", "sgd", "sgd-momentum") else "none"
     loaded, inputs, record = _model_and_inputs(args, recorded)
-    with _bar(args, 2, "report") as bar:
+    with progress_bar(args, 2, "report") as bar:
         planner = _planner(args, loaded, inputs, record, bar)
         if plan.fingerprint and fingerprint_of(planner.capture) != plan.fingerprint:
             raise PlanMismatchError(f"model {args.model!r} is not the graph the plan file {args.plan!r} was made for; "
                                     "give the model and inputs it was planned with")
-        with _stage(bar, "memory/overhead curves"):
+        with bar_stage(bar, "memory/overhead curves"):
             plan.stats["curves"] = curves_for(plan, planner.problem, _curve_solvers(args, planner.problem),
                                               args.curve_points)
     return None
@@ -560,17 +501,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.device == "meta":
         raise InputError("device: a .pt2 holds the model's weights, which the meta device has none of; use cpu or cuda")
-    out = _check_output(args.output, "output", args=args)
+    target = _check_output(args.output, "output", args=args)
     loaded, inputs, record = _model_and_inputs(args)
     program, returns = export_program(loaded.model, inputs, returns=args.returns)
-    save_program(program, out)
+    save_program(program, target)
     shown = record.get("inputs") or record.get("inputs_file") or record.get("inputs_source")
     if args.json:
-        _out(args, json.dumps({"output": str(out), "returns": returns, "inputs": shown}))
+        out(args, json.dumps({"output": str(target), "returns": returns, "inputs": shown}))
     what = "every tensor of the output" if returns == "tensors" else f"the {returns}"
     inputs_text = " ".join(shown) if isinstance(shown, list) else shown
-    _say(args, f"wrote {out}: returns {what}; its inputs, the default ones: {inputs_text}\n"
-               f"plan it:  ckpt-planner plan {out} --activation-budget 0.75 -o plan.json")
+    say(args, f"wrote {target}: returns {what}; its inputs, the default ones: {inputs_text}\n"
+               f"plan it:  ckpt-planner plan {target} --activation-budget 0.75 -o plan.json")
     return EXIT_OK
 
 
@@ -578,35 +519,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": cmd_plan, "apply": cmd_apply, "bench": cmd_bench, "report": cmd_report, "demo": cmd_demo, "profile": cmd_profile,
     "export": cmd_export,
 }
-
-
-@contextlib.contextmanager
-def _no_logs() -> Iterator[None]:
-    """torch logs tracebacks (fake tensors, export, dynamo) before errors we report in one line."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
-
-def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
-    """warnings.showwarning that gives the planner's own notices (a timing store it ignores) one line like
-    its errors, and passes every other warning to `show` (catch_warnings puts the original back)."""
-    from ..profile.timing_store import TimingStoreWarning
-
-    def shown(message, category, filename, lineno, file=None, line=None) -> None:
-        if issubclass(category, TimingStoreWarning):
-            _err(f"warning: {_one_line(message) if isinstance(message, BaseException) else message}")
-        else:
-            show(message, category, filename, lineno, file, line)
-
-    return shown
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -623,29 +535,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     # User code (factories, forwards) may print: its stdout goes to stderr, ours stays clean for --json.
     args.stdout = sys.stdout
-    with warnings.catch_warnings(), _no_logs(), contextlib.redirect_stdout(sys.stderr):
+    with warnings.catch_warnings(), no_logs(), contextlib.redirect_stdout(sys.stderr):
         # torch's deprecation and tracing notices are not the user's business on a command line
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.")
-        warnings.showwarning = _one_line_warnings(warnings.showwarning)
+        warnings.showwarning = one_line_warnings(warnings.showwarning)
         try:
             return _COMMANDS[args.command](args)
         except KeyboardInterrupt:
-            _err("interrupted; nothing was written")
+            err("interrupted; nothing was written")
             return EXIT_INTERRUPTED
         except InfeasibleBudgetError as e:
-            _err(_one_line(e))
+            err(one_line(e))
             return EXIT_FAIL
         except (InputError, PlanFileError, PlanMismatchError, UnknownSolverError, PlanSpaceTooLargeError) as e:
-            _err(_one_line(e))
+            err(one_line(e))
             return EXIT_USAGE
         except RecursionError:
-            _err("an input file is nested too deeply to read")
+            err("an input file is nested too deeply to read")
             return EXIT_USAGE
         except (PlannerError, ImportError, OSError) as e:
-            text = f"{type(e).__name__}: {_one_line(e)}" if isinstance(e, OSError) else _one_line(e)
-            _err(text)
+            text = f"{type(e).__name__}: {one_line(e)}" if isinstance(e, OSError) else one_line(e)
+            err(text)
             return EXIT_FAIL
 
 

@@ -25,10 +25,11 @@ default 0-2); bool tensors are random bits.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "load_inputs_file",
     "load_model",
     "load_model_and_inputs",
+    "inputs_named",
     "model_kind",
     "write_applied",
     "load_applied",
@@ -296,3 +298,26 @@ def _to(value: Any, device: str) -> Any:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+@contextlib.contextmanager
+def inputs_named(loaded: LoadedModel, inputs: Any, record: dict[str, Any]) -> Iterator[None]:
+    """A failure that the inputs caused becomes an InputError naming them: a capture or profile failure, or
+    the model's own error where a model the capture cannot take whole is run eagerly in parts."""
+    from ..capture.preflight import explain_failure
+    from ..errors import CaptureError, ProfileError
+
+    try:
+        yield
+    except Exception as e:
+        ours = type(e).__module__.partition(".")[0] == __name__.partition(".")[0]  # the planner's own errors
+        if ours and not isinstance(e, (CaptureError, ProfileError)):
+            raise
+        reference = loaded.example_inputs
+        if reference is None:
+            reference = getattr(loaded.model, "example_input_array", None)
+        seen = e if ours else CaptureError(f"{type(e).__name__}: {e}")
+        better = explain_failure(loaded.model, inputs, reference, seen, record.get("inputs"))
+        if better is None:
+            raise
+        raise better from None

@@ -18,15 +18,22 @@
 * Text the command line prints or writes into a report goes through `printable`: names come from plan
   files, graphs and archives, and a control character in one (an OSC sequence sets the terminal's
   title or clipboard, a bidi override reorders what is shown) is shown escaped, never sent as is.
+* What it prints: results on the real stdout (`out`, `say`: user code runs with stdout sent to stderr),
+  errors and notices as one line on stderr (`err`, `note`, `one_line_warnings`), a progress bar there
+  (`progress_bar`), and torch's own logging silenced (`no_logs`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
+import logging
 import os
 import re
+import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,8 @@ from ..errors import OutputError
 from ..plan_schema import not_a_file, write_file
 
 __all__ = ["OutputError", "check_output_file", "write_file", "digests", "foreign_files", "remove_written",
-           "printable"]
+           "printable", "out", "err", "say", "note", "progress_bar", "bar_stage", "one_line", "one_line_warnings",
+           "no_logs"]
 
 # C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI), the bidi marks, embeddings,
 # overrides and isolates, and lone surrogates (which a UTF-8 console cannot even encode).
@@ -169,3 +177,75 @@ def remove_written(folder: Path, manifest: dict[str, Any]) -> bool:
     with contextlib.suppress(OSError):
         folder.rmdir()
     return not os.path.lexists(folder)
+
+
+# -- what the command prints ----------------------------------------------------------------
+
+
+def out(args: argparse.Namespace, text: str) -> None:
+    """The command's result on the real stdout (user code runs with stdout sent to stderr); names from
+    files and graphs in it are shown with their control characters escaped (printable)."""
+    print(printable(text), file=getattr(args, "stdout", None) or sys.stdout)
+
+
+def err(text: str) -> None:
+    """One line on stderr, its control characters escaped: error messages quote names from the files."""
+    print(f"ckpt-planner: {printable(text)}", file=sys.stderr)
+
+
+def say(args: argparse.Namespace, text: str) -> None:
+    """Human-readable output: stdout, unless --quiet or --json."""
+    if not args.quiet and not args.json:
+        out(args, text)
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    if not args.quiet:
+        err(text)
+
+
+def progress_bar(args: argparse.Namespace, total: int, desc: str):
+    """A tqdm bar on stderr; off with --quiet or when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, desc=desc, file=sys.stderr, leave=False, disable=args.quiet or not sys.stderr.isatty(),
+        bar_format="{desc:<30} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+    )
+
+
+@contextlib.contextmanager
+def bar_stage(bar, desc: str) -> Iterator[None]:
+    """One step of `bar`, shown as `desc` while it runs."""
+    bar.set_description_str(desc)
+    yield
+    bar.update(1)
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+
+
+@contextlib.contextmanager
+def no_logs() -> Iterator[None]:
+    """torch logs tracebacks (fake tensors, export, dynamo) before errors we report in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """warnings.showwarning that gives the planner's own notices (a timing store it ignores) one line like
+    its errors, and passes every other warning to `show` (catch_warnings puts the original back)."""
+    from ..profile.timing_store import TimingStoreWarning
+
+    def shown(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, TimingStoreWarning):
+            err(f"warning: {one_line(message) if isinstance(message, BaseException) else message}")
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
