@@ -30,22 +30,23 @@ import contextlib
 import functools
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ..capture.export_exact import eager_attention_mask
 from ..capture.mutation import compute_nodes, mutated_inputs, written_roots
 from ..capture.rng import RANDOM_META, uses_rng
 from ..errors import SelectiveReplayError
 
 __all__ = [
     "keep_begin", "keep_end", "selective_contexts", "dispatch_probe_contexts", "mark_kept", "saveable_flags",
-    "policy_costs", "try_policy_costs", "PolicyCounter", "SelectiveReplayError",
+    "policy_costs", "try_policy_costs", "PolicyCounter", "SelectiveReplayError", "known_masks", "call_target",
 ]
 
 _CURRENT = threading.local()  # .kept: the _KeptOps of the selective region call running on this thread
@@ -292,7 +293,7 @@ class _NodeTracker(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if self.convert is not None:
             args, kwargs = self.convert(args, kwargs)
-        return super().call_function(target, args, kwargs)
+        return call_target(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
         self.counter.node = n.name
@@ -326,3 +327,38 @@ def try_policy_costs(gm: fx.GraphModule, flat: Sequence, convert=None) -> tuple[
         return policy_costs(gm, flat, convert)
     except Exception:  # noqa: BLE001 - counting is a refinement; planning goes on without it
         return None, None
+
+
+# -- eager's attention-mask decision on fake tensors -------------------------------------------------------
+
+_MASKS = threading.local()  # .values: a fake mask -> its real value (None: unknown), while a fake run knows them
+
+
+@contextlib.contextmanager
+def known_masks(values: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """While a run on fake tensors can give the example's real mask values (`values`): `call_target` takes
+    eager's mask decision on them."""
+    before = getattr(_MASKS, "values", None)
+    _MASKS.values = values
+    try:
+        yield
+    finally:
+        _MASKS.values = before
+
+
+def call_target(target: Any, args: tuple, kwargs: dict) -> Any:
+    """`target(*args, **kwargs)`, as an fx interpreter calls a node's function. On a fake mask
+    `eager_attention_mask` plans as for a batch without padding (the mask dropped where eager could drop
+    it); where the run knows the example's mask (`known_masks`), eager's decision is taken on those values:
+    a padded example keeps its mask [B, 1, Q, K], so the attention after it repeats the key/value heads
+    and makes SDPA's float mask, the bytes its real step holds and a kept attention node caches."""
+    out = target(*args, **kwargs)
+    values = getattr(_MASKS, "values", None)
+    if target is not eager_attention_mask or out is not None or values is None or not args:
+        return out
+    real = values(args[0])
+    if real is None:
+        return out
+    with _disable_current_modes(), torch.no_grad():
+        kept = eager_attention_mask(real, **kwargs) is not None
+    return args[0] if kept else out

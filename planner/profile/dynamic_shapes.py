@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..capture.rng import uses_rng
 from ..errors import ProfileError
+from ..lower.selective import known_masks
 from .record import meta_to_cpu
 
 __all__ = ["RealValues", "Sized", "ValueSizes", "ExampleSizes", "example_notes", "size_notes", "with_fake_mode"]
@@ -74,17 +75,29 @@ class ValueSizes(TorchDispatchMode):
         self.found: dict[str, Sized] = {}
         self._answers: list[tuple[Any, Any]] = []  # (op, real output) of each op run on real values, in order
         self._replay: int | None = None  # the next answer to hand out in a replay; None while recording
+        self._masks: list[torch.Tensor | None] = []  # `mask_value`'s answers, in order
+        self._mask_replay = 0
 
     @contextlib.contextmanager
     def replaying(self):
         """Enter the mode for another run over the same graph: the ops sized from real values take the
         first run's answers, in the order it made them."""
-        self._replay = 0
+        self._replay = self._mask_replay = 0
         try:
-            with self:
+            with self, known_masks(self.mask_value):
                 yield self
         finally:
             self._replay = None
+
+    def mask_value(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """The example's real value of a fake attention mask (lower/selective.call_target: eager's decision to
+        keep or drop it), None where unknown; a replay hands back the first run's answers in order."""
+        if self._replay is not None:
+            i, self._mask_replay = self._mask_replay, self._mask_replay + 1
+            return self._masks[i] if i < len(self._masks) else None
+        real = self.values(mask) if self.values is not None else None
+        self._masks.append(real)
+        return real
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

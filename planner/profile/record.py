@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
+from ..lower.selective import call_target, known_masks
 from .memory import (
     AllocatorMeter,
     LiveMemory,
@@ -104,7 +105,7 @@ class CostProfiler(fx.Interpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.meta_to_cpu:
             args, kwargs = meta_to_cpu(args, kwargs)
-        return super().call_function(target, args, kwargs)
+        return call_target(target, args, kwargs)  # eager's mask decision on the example's values (fake runs)
 
     def real_of(self, t: torch.Tensor, *, parameters: bool = False) -> torch.Tensor | None:
         """The real value of `t`, a fake tensor the running node was handed by one of its input nodes; None
@@ -205,6 +206,7 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             if sizes is not None:
                 prof.sizes, prof.real = stack.enter_context(sizes), real
                 sizes.values = prof.real_of if real is not None else None
+                stack.enter_context(known_masks(sizes.mask_value))
             prof.seeded = stack.enter_context(SeededOps())
             prof.mem = FakeRecorder(count_flops=count_flops)
             prof.flops = prof.mem if count_flops else None
