@@ -82,104 +82,159 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
     regions = normalize_regions(problem, regions)
     saved = normalize_saved(problem, regions, saved)
     off = _offload_timing(problem, regions, saved, offloaded) if offloaded else None
-    fetch_at: dict[int, list[int]] = {}
-    if off is not None:
-        for t, q in off.fetch.items():
-            fetch_at.setdefault(q, []).append(t)
-    is_saved = [False] * problem.n
-    for i in saved:
-        is_saved[i] = True
-    n, storages, nodes = problem.n, problem.storages, problem.nodes
-    parents = region_parents(regions)
-    inner = [-1] * n  # innermost region of each node; regions sorted outer-first
-    for r, (s, e) in enumerate(regions):
-        for i in range(s, e + 1):
-            inner[i] = r
-    produced: list[list[int]] = [[] for _ in range(n)]
-    for t, st in enumerate(storages):
-        produced[st.producer].append(t)
-    saves = [False] * n
-    for st in storages:
-        for k in st.saved_by:
-            saves[k] = True
-    # Storages each region keeps as its inputs; per storage, the regions that keep it. A region none of
-    # whose nodes packs a tensor (an activation, a parameter or a buffer) keeps nothing: its checkpoint's
-    # inputs are held by what it packs for backward, and with nothing packed they go after the forward.
-    input_of: list[list[int]] = [[] for _ in storages]
-    packer = problem.arrays.prev_packer
-    for r, (s, e) in enumerate(regions):
-        if packer[e] < s:
-            continue
-        seen = set()
-        for i in range(s, e + 1):
-            for t in nodes[i].reads:
-                if storages[t].producer < s and t not in seen:
-                    seen.add(t)
-                    input_of[t].append(r)
-    children: list[list[int]] = [[] for _ in regions]
-    for r, p in enumerate(parents):
-        if p >= 0:
-            children[p].append(r)
+    return _Replay(problem, regions, saved, off, timeline).run()
 
-    def release_step(t: int, ctx: int) -> int | None:
+
+class _Replay:
+    """One replay's state: the plan's structure (which region owns each node, what each region keeps),
+    the live bytes per category, and the releases queued for each backward step."""
+
+    def __init__(self, problem: Problem, regions, saved, off, timeline: bool) -> None:
+        self.problem, self.regions, self.saved, self.off, self.timeline = problem, regions, saved, off, timeline
+        n, storages, nodes = problem.n, problem.storages, problem.nodes
+        self.fetch_at: dict[int, list[int]] = {}
+        if off is not None:
+            for t, q in off.fetch.items():
+                self.fetch_at.setdefault(q, []).append(t)
+        self.is_saved = [False] * n
+        for i in saved:
+            self.is_saved[i] = True
+        self.parents = region_parents(regions)
+        self.inner = [-1] * n  # innermost region of each node; regions sorted outer-first
+        for r, (s, e) in enumerate(regions):
+            for i in range(s, e + 1):
+                self.inner[i] = r
+        self.produced: list[list[int]] = [[] for _ in range(n)]
+        for t, st in enumerate(storages):
+            self.produced[st.producer].append(t)
+        self.saves = [False] * n
+        for st in storages:
+            for k in st.saved_by:
+                self.saves[k] = True
+        self._inputs()
+        self.casts = problem.casts if problem.casts_cleared else ()
+        self.fixed = {
+            "parameters": problem.param_bytes - sum(cast.nbytes for cast in self.casts),
+            "inputs": problem.input_bytes,
+            "optimizer": problem.optimizer_bytes,
+        }
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.live.update(self.fixed)
+        self.live["parameters"] = problem.param_bytes  # the casts are made in the forward, held by the cache
+        self.best = {"bytes": -1, "phase": "forward", "node": -1, "breakdown": dict(self.live)}
+        self.events: list[tuple[str, int, int]] = []
+        self.release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
+        self.rng_of = [max(nodes[i].rng_state_bytes for i in range(s, e + 1)) for s, e in regions]
+        self._rng_states()
+        self._triggers()
+        self._cached_releases()
+
+    def _inputs(self) -> None:
+        """Storages each region keeps as its inputs; per storage, the regions that keep it. A region none of
+        whose nodes packs a tensor (an activation, a parameter or a buffer) keeps nothing: its checkpoint's
+        inputs are held by what it packs for backward, and with nothing packed they go after the forward."""
+        storages, nodes, regions = self.problem.storages, self.problem.nodes, self.regions
+        self.input_of: list[list[int]] = [[] for _ in storages]
+        packer = self.problem.arrays.prev_packer
+        for r, (s, e) in enumerate(regions):
+            if packer[e] < s:
+                continue
+            seen = set()
+            for i in range(s, e + 1):
+                for t in nodes[i].reads:
+                    if storages[t].producer < s and t not in seen:
+                        seen.add(t)
+                        self.input_of[t].append(r)
+        self.children: list[list[int]] = [[] for _ in regions]
+        for r, p in enumerate(self.parents):
+            if p >= 0:
+                self.children[p].append(r)
+
+    def _rng_states(self) -> None:
+        """A region that draws random numbers saves the generator state when its checkpoint call runs in the
+        forward, nested or not, and keeps it until its backward is done (bytes, keyed by start). Its
+        recompute forks the generator (`torch.random.fork_rng`): one more state, held while it runs. A
+        recompute calls the checkpoints of the regions inside it again: each saves one more state, held by
+        that call's graph until the recompute ends (`transient`, keyed by (start, context))."""
+        self.rng_at: dict[int, int] = {}
+        self.transient: dict[tuple[int, int], int] = {}
+        for r, (s, _e) in enumerate(self.regions):
+            if self.rng_of[r]:
+                self.rng_at[s] = self.rng_at.get(s, 0) + self.rng_of[r]
+                q = self.parents[r]
+                while q >= 0:
+                    self.transient[(s, q)] = self.transient.get((s, q), 0) + self.rng_of[r]
+                    q = self.parents[q]
+
+    def _triggers(self) -> None:
+        """Which regions recompute at which backward step (`trigger`), and how far (`stops`)."""
+        regions, saves, inner = self.regions, self.saves, self.inner
+        self.trigger: dict[int, list[int]] = {}
+        has_inputs = {r for regs in self.input_of for r in regs}
+        self.stops: list[int] = []
+        for r, (s, e) in enumerate(regions):
+            savers = [k for k in range(s, e + 1) if saves[k]]
+            own = [k for k in range(s, e + 1) if saves[k] and inner[k] == r]
+            own += [regions[c][0] - 1 for c in self.children[r] if c in has_inputs]
+            stop = max(own) if own else s - 1
+            self.stops.append(stop)
+            if savers and stop >= s:
+                self.trigger.setdefault(max(savers), []).append(r)
+
+    def _trigger_of(self, r: int) -> list[int]:
+        return [k for k, rs in self.trigger.items() if r in rs] or [self.regions[r][0]]
+
+    def _cached_releases(self) -> None:
+        """A saved node's outputs: cached from the forward until the region's recompute has taken them and
+        their saving nodes' backward is done (or, never taken, until the region's backward ends)."""
+        self.cached_release: dict[int, int] = {}
+        for t, st in enumerate(self.problem.storages):
+            p = st.producer
+            if not self.is_saved[p]:
+                continue
+            r = self.inner[p]
+            normal = self._release_step(t, -1)
+            steps = [normal] if normal is not None else []
+            if self.stops[r] >= p:
+                steps.append(max(self._trigger_of(r)))
+                inside = self._release_step(t, r)
+                if inside is not None:
+                    steps.append(inside)
+            else:
+                steps.append(self.regions[r][0])
+            self.cached_release[t] = min(steps)  # backward runs from n - 1 down: the smallest step is the latest
+
+    def _release_step(self, t: int, ctx: int) -> int | None:
         """Backward step after which storage t, made in context ctx, is freed; None if not kept."""
-        steps = [k for k in storages[t].saved_by if inner[k] == ctx]
-        steps += [regions[r][0] for r in input_of[t] if parents[r] == ctx]
+        steps = [k for k in self.problem.storages[t].saved_by if self.inner[k] == ctx]
+        steps += [self.regions[r][0] for r in self.input_of[t] if self.parents[r] == ctx]
         return min(steps) if steps else None
 
-    casts = problem.casts if problem.casts_cleared else ()
-    fixed = {
-        "parameters": problem.param_bytes - sum(cast.nbytes for cast in casts),
-        "inputs": problem.input_bytes,
-        "optimizer": problem.optimizer_bytes,
-    }
-    live = dict.fromkeys(CATEGORIES, 0)
-    live.update(fixed)
-    live["parameters"] = problem.param_bytes  # the casts are made in the forward, held by the cache
-    best = {"bytes": -1, "phase": "forward", "node": -1, "breakdown": dict(live)}
-    events: list[tuple[str, int, int]] = []
-
-    def observe(phase: str, node: int, extra: dict[str, int] | None = None) -> None:
-        snap = dict(live)
+    def _observe(self, phase: str, node: int, extra: dict[str, int] | None = None) -> None:
+        snap = dict(self.live)
         if extra:
             for key, v in extra.items():
                 snap[key] += v
         total = sum(snap.values())
-        if total > best["bytes"]:
-            best.update(bytes=total, phase=phase, node=node, breakdown=snap)
-        if timeline:
-            events.append((phase, node, total))
+        if total > self.best["bytes"]:
+            self.best.update(bytes=total, phase=phase, node=node, breakdown=snap)
+        if self.timeline:
+            self.events.append((phase, node, total))
 
-    release_at: list[list[tuple[int, str]]] = [[] for _ in range(n)]
-    # A region that draws random numbers saves the generator state when its checkpoint call runs in the
-    # forward, nested or not, and keeps it until its backward is done (bytes, keyed by start).
-    # Its recompute forks the generator (`torch.random.fork_rng`): one more state, held while it runs.
-    # A recompute calls the checkpoints of the regions inside it again: each saves one more state, held by
-    # that call's graph until the recompute ends (`transient`, keyed by (start, context)).
-    rng_at: dict[int, int] = {}
-    transient: dict[tuple[int, int], int] = {}
-    rng_of = [max(nodes[i].rng_state_bytes for i in range(s, e + 1)) for s, e in regions]
-    for r, (s, _e) in enumerate(regions):
-        if rng_of[r]:
-            rng_at[s] = rng_at.get(s, 0) + rng_of[r]
-            q = parents[r]
-            while q >= 0:
-                transient[(s, q)] = transient.get((s, q), 0) + rng_of[r]
-                q = parents[q]
-
-    def forward_pass(lo: int, hi: int, ctx: int, phase: str, category: str, casts_made=None) -> int:
+    def _forward_pass(self, lo: int, hi: int, ctx: int, phase: str, category: str, casts_made=None) -> int:
         """Run nodes lo..hi in context ctx; kept storages are queued for their backward release.
         `casts_made`: node -> (bytes, release step or None) of the casts it makes again. Returns the
         bytes freed when the pass ends: those casts held only by the cache, and the generator states
         of the nested checkpoint calls it made again."""
+        live, release_at, off, storages = self.live, self.release_at, self.off, self.problem.storages
         free_at: list[list[int]] = [[] for _ in range(hi - lo + 1)]
         cached = 0
         for j in range(lo, hi + 1):
-            state = rng_at.get(j, 0) if ctx == -1 else 0
+            state = self.rng_at.get(j, 0) if ctx == -1 else 0
             if state:
                 live[category] += state
                 release_at[j].append((state, category))
-            state = transient.get((j, ctx), 0)
+            state = self.transient.get((j, ctx), 0)
             live[category] += state
             cached += state
             for nbytes, keep in (casts_made or {}).get(j, ()):
@@ -188,14 +243,14 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
                     cached += nbytes
                 else:
                     release_at[keep].append((nbytes, category))
-            for t in produced[j]:
+            for t in self.produced[j]:
                 st = storages[t]
-                if is_saved[j] and ctx >= 0:
+                if self.is_saved[j] and ctx >= 0:
                     continue  # taken from the selective cache, held since the forward
                 live[category] += st.nbytes
-                keep = release_step(t, ctx)
-                if is_saved[j]:
-                    keep = cached_release[t]
+                keep = self._release_step(t, ctx)
+                if self.is_saved[j]:
+                    keep = self.cached_release[t]
                 if ctx == -1 and st.is_output:
                     continue  # alive for the whole step
                 if ctx == -1 and off is not None and t in off.free_after:
@@ -204,103 +259,77 @@ def replay(problem: Problem, regions=(), *, saved=(), offloaded=(), timeline: bo
                     release_at[keep].append((st.nbytes, category))
                 else:
                     free_at[min(st.last_use, hi) - lo].append(st.nbytes)
-            observe(phase, j, {"temporaries": nodes[j].temp_bytes})
+            self._observe(phase, j, {"temporaries": self.problem.nodes[j].temp_bytes})
             if free_at[j - lo]:
                 live[category] -= sum(free_at[j - lo])
-                observe(phase, j)
+                self._observe(phase, j)
         return cached
 
-    # Which regions recompute at which backward step, and how far.
-    trigger: dict[int, list[int]] = {}
-    has_inputs = {r for regs in input_of for r in regs}
-    stops: list[int] = []
-    for r, (s, e) in enumerate(regions):
-        savers = [k for k in range(s, e + 1) if saves[k]]
-        own = [k for k in range(s, e + 1) if saves[k] and inner[k] == r]
-        own += [regions[c][0] - 1 for c in children[r] if c in has_inputs]
-        stop = max(own) if own else s - 1
-        stops.append(stop)
-        if savers and stop >= s:
-            trigger.setdefault(max(savers), []).append(r)
-
-    def trigger_of(r: int) -> list[int]:
-        return [k for k, rs in trigger.items() if r in rs] or [regions[r][0]]
-
-    # A saved node's outputs: cached from the forward until the region's recompute has taken them and
-    # their saving nodes' backward is done (or, never taken, until the region's backward ends).
-    cached_release: dict[int, int] = {}
-    for t, st in enumerate(storages):
-        p = st.producer
-        if not is_saved[p]:
-            continue
-        r = inner[p]
-        normal = release_step(t, -1)
-        steps = [normal] if normal is not None else []
-        if stops[r] >= p:
-            steps.append(max(trigger_of(r)))
-            inside = release_step(t, r)
-            if inside is not None:
-                steps.append(inside)
-        else:
-            steps.append(regions[r][0])
-        cached_release[t] = min(steps)  # backward runs from n - 1 down: the smallest step is the latest
-
-    if n:
-        forward_pass(0, n - 1, -1, "forward", "activations")
-
-    recompute_time = hook_time = 0.0
-    hook = problem.saved_overhead_s
-    grad_live = [False] * n
-    cache_emptied = not casts
-    for k in range(n - 1, -1, -1):
-        for t in fetch_at.get(k, ()):  # prefetched at the start of the step, before its recomputes
-            live["activations"] += storages[t].nbytes
-            release_at[off.release[t]].append((storages[t].nbytes, "activations"))
-        for r in sorted(trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
-            s = regions[r][0]
-            hooks = hook * sum(nodes[i].saved_tensors for i in range(s, stops[r] + 1))
-            hook_time += hooks
-            recompute_time += hooks + sum(nodes[i].time for i in range(s, stops[r] + 1) if not is_saved[i])
-            live["recomputed"] += rng_of[r]
-            made = casts_remade(casts, inner, r, s, stops[r]) if cache_emptied and casts else None
-            cached = forward_pass(s, stops[r], r, "recompute", "recomputed", made)
-            live["recomputed"] -= rng_of[r] + cached
-            if not cache_emptied:  # this recompute found the forward's casts cached, then emptied the cache
-                cache_emptied = True
+    def _recompute(self, k: int) -> None:
+        """The recomputes backward step k triggers, innermost first; the first empties autocast's cache."""
+        regions, nodes, casts, live = self.regions, self.problem.nodes, self.casts, self.live
+        for r in sorted(self.trigger.get(k, ()), key=lambda r: regions[r][0] - regions[r][1]):
+            s, stop = regions[r][0], self.stops[r]
+            hooks = self.problem.saved_overhead_s * sum(nodes[i].saved_tensors for i in range(s, stop + 1))
+            self.hook_time += hooks
+            self.recompute_time += hooks + sum(nodes[i].time for i in range(s, stop + 1) if not self.is_saved[i])
+            live["recomputed"] += self.rng_of[r]
+            made = casts_remade(casts, self.inner, r, s, stop) if self.cache_emptied and casts else None
+            cached = self._forward_pass(s, stop, r, "recompute", "recomputed", made)
+            live["recomputed"] -= self.rng_of[r] + cached
+            if not self.cache_emptied:  # this recompute found the forward's casts cached, then emptied the cache
+                self.cache_emptied = True
                 for cast in casts:
-                    until = held_until(cast, inner, r, s, stops[r], k)
+                    until = held_until(cast, self.inner, r, s, stop, k)
                     if until is None:
                         live["parameters"] -= cast.nbytes
                     else:
-                        release_at[until].append((cast.nbytes, "parameters"))
-        node = nodes[k]
-        extra = 0
-        for j in set(node.inputs):
-            if nodes[j].grad_bytes and not grad_live[j]:
-                grad_live[j] = True
-                extra += nodes[j].grad_bytes
-        live["act_grads"] += extra
-        live["param_grads"] += node.param_grad_bytes
-        observe("backward", k, {"temporaries": node.backward_temp_bytes} if node.backward_temp_bytes else None)
-        if grad_live[k]:
-            live["act_grads"] -= node.grad_bytes
-            grad_live[k] = False
-        for nbytes, category in release_at[k]:
-            live[category] -= nbytes
-        if release_at[k]:
-            observe("backward", k)
+                        self.release_at[until].append((cast.nbytes, "parameters"))
 
-    calls = call_time(problem, regions, saved, stops)
-    copies = off.exposed_s if off is not None else 0.0
-    return SimResult(
-        peak_bytes=max(best["bytes"], sum(fixed.values())),
-        recompute_time=recompute_time + calls + copies,
-        call_time=calls,
-        hook_time=hook_time,
-        offload_time=copies,
-        host_bytes=sum(storages[t].nbytes for t in off.fetch) if off is not None else 0,
-        peak_phase=best["phase"],
-        peak_node=best["node"],
-        breakdown=best["breakdown"],
-        timeline=events,
-    )
+    def _backward(self) -> None:
+        """Backward steps n - 1 .. 0: fetches, recomputes, gradients made and freed, releases."""
+        n, nodes, storages, live = self.problem.n, self.problem.nodes, self.problem.storages, self.live
+        grad_live = [False] * n
+        for k in range(n - 1, -1, -1):
+            for t in self.fetch_at.get(k, ()):  # prefetched at the start of the step, before its recomputes
+                live["activations"] += storages[t].nbytes
+                self.release_at[self.off.release[t]].append((storages[t].nbytes, "activations"))
+            self._recompute(k)
+            node = nodes[k]
+            extra = 0
+            for j in set(node.inputs):
+                if nodes[j].grad_bytes and not grad_live[j]:
+                    grad_live[j] = True
+                    extra += nodes[j].grad_bytes
+            live["act_grads"] += extra
+            live["param_grads"] += node.param_grad_bytes
+            self._observe("backward", k, {"temporaries": node.backward_temp_bytes} if node.backward_temp_bytes else None)
+            if grad_live[k]:
+                live["act_grads"] -= node.grad_bytes
+                grad_live[k] = False
+            for nbytes, category in self.release_at[k]:
+                live[category] -= nbytes
+            if self.release_at[k]:
+                self._observe("backward", k)
+
+    def run(self) -> SimResult:
+        problem, off, best = self.problem, self.off, self.best
+        if problem.n:
+            self._forward_pass(0, problem.n - 1, -1, "forward", "activations")
+        self.recompute_time = self.hook_time = 0.0
+        self.cache_emptied = not self.casts
+        self._backward()
+        calls = call_time(problem, self.regions, self.saved, self.stops)
+        copies = off.exposed_s if off is not None else 0.0
+        return SimResult(
+            peak_bytes=max(best["bytes"], sum(self.fixed.values())),
+            recompute_time=self.recompute_time + calls + copies,
+            call_time=calls,
+            hook_time=self.hook_time,
+            offload_time=copies,
+            host_bytes=sum(problem.storages[t].nbytes for t in off.fetch) if off is not None else 0,
+            peak_phase=best["phase"],
+            peak_node=best["node"],
+            breakdown=best["breakdown"],
+            timeline=self.events,
+        )
