@@ -1,7 +1,8 @@
 """The documentation's references hold: every relative link of the user-facing pages (README, SECURITY,
 CONTRIBUTING, the benchmarks' README, docs/) resolves to a file of the repository, and to a heading of it
-where the link names one; every module or folder a package README's table names exists.
-(`tests/test_layout.py` checks the converse: every module of a package is named in its README.)"""
+where the link names one; every module or folder a package README's table names exists; every Python block
+of those pages is one that `tests/integration/test_readme.py` runs. (`tests/test_layout.py` checks the converse
+of the second: every module of a package is named in its README.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 """A Markdown link or image: `[text](target)` / `![alt](target)`."""
 TABLE_ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|", re.M)
 """A table row whose first cell is one name in backticks: `| `trace.py` | ... |`."""
+
+
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+"""A fenced Python block, as the README harness reads it."""
 
 
 def _code_free(text: str) -> str:
@@ -76,3 +81,23 @@ def test_every_module_a_package_readme_names_exists(name: str) -> None:
     named = [n for n in TABLE_ROW.findall(readme.read_text()) if n.endswith((".py", "/"))]
     missing = [n for n in named if not (readme.parent / n).exists()]
     assert not missing, f"{name} names modules that do not exist: {missing}"
+
+
+def unrun_blocks(pages: list[pathlib.Path], run: list[str]) -> list[str]:
+    """The first line of each Python block of `pages` that is not among the blocks `run`."""
+    return [f"{page.name}: {block.splitlines()[0]}" for page in pages for block in PYTHON_BLOCK.findall(page.read_text())
+            if block not in run]
+
+
+def test_every_python_block_of_the_pages_runs() -> None:
+    """A block moved out of the README (to docs/training.md, say) still runs where it went."""
+    from tests.integration.test_readme import _blocks
+
+    run = _blocks()
+    assert not unrun_blocks([ROOT / name for name in PAGES], run), "blocks the README harness does not run"
+
+
+def test_an_unrun_block_is_found(tmp_path: pathlib.Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 1\n```\n\n```python\ny = 2\n```\n\n```text\nz\n```\n")
+    assert unrun_blocks([page], ["x = 1\n"]) == ["page.md: y = 2"]

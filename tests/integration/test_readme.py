@@ -1,5 +1,6 @@
-"""Every Python block of the README runs as written, in order, in one session (loops shortened to two steps),
-and the command-line examples on the README's models.py run with exit code 0."""
+"""Every Python block of the README, then of docs/training.md (the README's training section, in full), runs as
+written, in order, in one session (loops shortened to two steps), and the command-line examples on the
+README's models.py run with exit code 0."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ import torch
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+TRAINING = README.parent / "docs" / "training.md"
 SHORTER = {"range(100)": "range(2)", "max_steps=100": "max_steps=2"}
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for page in (README, TRAINING) for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def _command_section() -> list[str]:
