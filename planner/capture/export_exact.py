@@ -66,6 +66,7 @@ __all__ = [
     "match_eager_attention",
     "eager_attention_mask",
     "eager_position_bias_mask",
+    "eager_bias_plus_mask",
     "eager_scaled_dot_product_attention",
 ]
 
@@ -215,6 +216,36 @@ def _position_bias_where(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node, fx
     return node, cond, mask
 
 
+def eager_bias_plus_mask(
+    position_bias: torch.Tensor, mask: torch.Tensor, *, causal: bool, bidirectional: bool, window: int | None = None
+) -> torch.Tensor:
+    """SDPA's float mask as a model that adds its relative position bias [1|B, H, Q, K] to transformers' boolean
+    mask [B, 1, Q, K] (BEiT, Data2VecVision) makes it in eager: the bias alone where eager drops the mask
+    (`eager_attention_mask`), else the sum. The exported graph keeps the all-True mask and adds it (True counts
+    1.0): the softmax is the same in exact arithmetic but not in float32 (~1e-7), and the bias's gradient is
+    summed over the batch in another order."""
+    kept = eager_attention_mask(mask, causal=causal, bidirectional=bidirectional, window=window)
+    return position_bias if kept is None else position_bias + kept
+
+
+def _bias_plus_mask(mask: Any, sdpa: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the float bias, the boolean mask) of an `add(bias, bool mask)` that only this SDPA reads; else None."""
+    if not isinstance(mask, fx.Node) or mask.target is not torch.ops.aten.add.Tensor or len(mask.args) != 2:
+        return None
+    if set(mask.users) != {sdpa} or mask.kwargs.get("alpha", 1) != 1:
+        return None
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in mask.args]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    floats = [v.is_floating_point() for v in vals]
+    bools = [v.dtype == torch.bool for v in vals]
+    if floats == [True, False] and bools == [False, True]:
+        return mask.args[0], mask.args[1]
+    if floats == [False, True] and bools == [True, False]:
+        return mask.args[1], mask.args[0]
+    return None
+
+
 def eager_scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -339,10 +370,11 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
             or a["is_causal"]
         ):
             continue
-        bias = None
+        bias = summed = None
         if getattr(mask.meta.get("val"), "dtype", None) != torch.bool:
-            bias = _position_bias_where(mask, node)  # a float mask: only a relative position bias's
-            if bias is None or not folds_bias or a["enable_gqa"]:
+            summed = _bias_plus_mask(mask, node)  # a float mask: a relative position bias added or folded
+            bias = None if summed is not None else _position_bias_where(mask, node)
+            if summed is None and (bias is None or not folds_bias) or a["enable_gqa"]:
                 continue
             if int(getattr(module, "num_key_value_groups", 1) or 1) != 1:
                 continue
@@ -360,6 +392,18 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
             window = min(s.local_attention_size for s in matching)  # every such mask was local: its size
         causal_ok, bidirectional_ok = "causal" in possible and _same_size(q_len, kv_len), "bidirectional" in possible
         if not (causal_ok or bidirectional_ok):
+            continue
+        if summed is not None:  # SDPA stays, on eager's mask: the bias alone where eager drops the boolean mask
+            with graph.inserting_before(mask):
+                new = graph.call_function(
+                    eager_bias_plus_mask,
+                    summed,
+                    {"causal": causal_ok, "bidirectional": bidirectional_ok, "window": window},
+                )
+            new.meta.update({k: v for k, v in mask.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            mask.replace_all_uses_with(new)
+            graph.erase_node(mask)
+            rewritten += 1
             continue
         if bias is not None:  # SDPA stays: eager calls it with the bias as its mask, not causal, on the heads as they are
             where, condition, made = bias
