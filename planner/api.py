@@ -133,7 +133,7 @@ class Planner(BasePlanner):
             model = loss_outputs(model, example_inputs)
         if exported and setup.capture_method == "auto":
             setup = dataclasses.replace(setup, capture_method="export")
-        profile_config = setup.profile or ProfileConfig()  # the one place the default profile is made
+        profile_config = ProfileConfig.or_default(setup.profile)
         setup = dataclasses.replace(setup, profile=dataclasses.replace(profile_config, meta=True) if setup.meta else profile_config)
         self.model, self.setup = model, setup
         self.autotune: bool | int | None = None

@@ -1,4 +1,3 @@
-import functools
 import gc
 import os
 import warnings
@@ -10,7 +9,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
-from ckpt_planner import api
 from ckpt_planner.profile.profiler import ProfileConfig
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -32,7 +30,8 @@ def flop_times_by_default():
     from FLOPs in the tests: measured times follow the machine's load, and so would the plans (uniform's
     segments, the infeasible budgets a solver names). Tests of timing itself pass their own ProfileConfig."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(api, "ProfileConfig", functools.partial(ProfileConfig, flop_times=True))
+        patch.setattr(ProfileConfig, "or_default", staticmethod(
+            lambda config: config if config is not None else ProfileConfig(flop_times=True)))
         yield
 
 

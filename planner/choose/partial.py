@@ -331,7 +331,7 @@ class PartialPlanner(BasePlanner):
         if not found:
             raise CaptureError(f"{reason}; no submodule of {type(model).__name__} could be captured either")
         self.model, self.reason = model, reason
-        config = profile_config or ProfileConfig()
+        config = ProfileConfig.or_default(profile_config)
         with ModelState(model).preserved():
             costs = [(path, cap, profile(cap, config)) for path, cap in found]
         paths = [path for path, _, _ in costs]

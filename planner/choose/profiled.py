@@ -76,7 +76,7 @@ class Profiled:
 
     @property
     def profile_config(self) -> ProfileConfig:
-        return self.setup.profile or ProfileConfig()
+        return ProfileConfig.or_default(self.setup.profile)
 
     @property
     def real(self) -> bool:
@@ -165,7 +165,7 @@ class Profiled:
 def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: Setup, *,
              chunks: list[ChunkSpec] | None = None, capture_notes: list[str] | None = None) -> Profiled:
     """The problem, the model's own regions and the notes of one profile (the bytes pass's or the timed one)."""
-    config = setup.profile or ProfileConfig()
+    config = ProfileConfig.or_default(setup.profile)
     # offload is priced at the device's host copy bandwidth (0 on the CPU: the solvers never offload there)
     bandwidth = copy_bandwidth("meta" if setup.meta or config.meta else cost.device, store=config.timing_store,
                                simulated=setup.offload.bandwidth)
@@ -177,7 +177,7 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
                                        h2d_bytes_per_s=bandwidth.h2d_bytes_per_s, host_budget_bytes=host)
     note = offload_note(bandwidth, host)
     if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (race/refit.py)
-        problem, fit = learned(problem, open_store(cost.device, (setup.profile or ProfileConfig()).timing_store))
+        problem, fit = learned(problem, open_store(cost.device, config.timing_store))
         if fit is not None:
             dist_notes = [*dist_notes, (
                 f"times refit on this device from {fit.rows} measured plans: node times x{fit.scale:.2f}, "

@@ -146,7 +146,7 @@ class KnapsackSolver(CustomKnapsackSolver):
         if int(target_bytes) != target_bytes or target_bytes < 0:
             raise InputError(f"knapsack target_bytes: {target_bytes!r} must be a whole number of bytes >= 0")
         self.target_bytes = int(target_bytes)
-        self.config = config or ProfileConfig()
+        self.config = ProfileConfig.or_default(config)
         self.backend = backend
         self.calls: list[KnapsackCall] = []
 
@@ -201,7 +201,7 @@ class KnapsackLowering:
                  config: ProfileConfig | None = None, backend: str = "auto", max_tries: int = 5,
                  slack: float = 0.05) -> None:
         self.compile_measure = compile_measure
-        self.config = config or ProfileConfig()
+        self.config = ProfileConfig.or_default(config)
         self.backend = backend
         self.max_tries = max_tries
         self.slack = slack

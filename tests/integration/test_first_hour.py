@@ -337,7 +337,6 @@ def test_report_solver_statistics_are_a_table(reported):
 
 
 def test_cli_plan_refuses_an_infeasible_budget_before_timing(work, capsys, monkeypatch):
-    api = importlib.import_module("ckpt_planner.api")
     profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
     real = profile_mod._profile_real
 
@@ -345,7 +344,8 @@ def test_cli_plan_refuses_an_infeasible_budget_before_timing(work, capsys, monke
         assert config.flop_times, "the model was timed for a budget that cannot be met"
         return real(gm, flat, config, dev)
 
-    monkeypatch.setattr(api, "ProfileConfig", ProfileConfig)  # the user's default profile: timed
+    monkeypatch.setattr(ProfileConfig, "or_default", classmethod(  # the user's default profile: timed
+        lambda cls, config: config if config is not None else cls()))
     monkeypatch.setattr(profile_mod, "_profile_real", untimed_only)
     code = main(["plan", f"{work}/factory.py:make", "--budget-bytes", "100000", "--curve-points", "0",
                  "-o", str(work / "never.json")])
