@@ -24,7 +24,8 @@ from .capture.trace import capture
 from .choose.assemble import plan_record
 from .choose.autotune import steps_for
 from .choose.base import BasePlanner
-from .choose.choice import budget_of, choose_solution, judges, planning_clock
+from .choose.budget import budget_of
+from .choose.choice import choose_solution, judges, planning_clock
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
@@ -165,10 +166,10 @@ class Planner(BasePlanner):
         if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
             raise empty
         steps = steps_for(self.autotune if request.autotune is None else request.autotune, p.cost.time_source == "fitted")
-        budget, extra, lowered = budget_of(p, request)
+        budget = budget_of(p, request)  # resolved once: every step of choosing reads this record
         default_race = request.autotune is None and self.autotune is None  # held to the planning's time
-        solution, notes = choose_solution(p, request, budget, lowered, steps=steps, planning_s=clock if default_race else None)
-        plan = plan_record(p, solution, notes, request, extra)
+        solution, notes = choose_solution(p, request, budget, steps=steps, planning_s=clock if default_race else None)
+        plan = plan_record(p, solution, notes, request, list(budget.notes))
         lower_plan(plan, p.model, p.capture, chunked=bool(p.chunks), whole_modules=solution.stats.get(WHOLE_MODULES),
                    on_larger_shape=request.on_larger_shape, replan=self._replan(request), values=p.values)
         return plan

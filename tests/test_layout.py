@@ -386,3 +386,46 @@ def test_a_plan_saved_before_the_stage_folders_loads_and_rebuilds():
     args = x if isinstance(x, tuple) else (x,)
     assert plan.regions and step_differences(model, module, args, {}) == []
     assert isinstance(module(*args), torch.Tensor)
+
+
+# ---------------------------------------------------------------------------
+# One default profile, one conversion of the budget.
+
+
+def _top_level_scope(tree: ast.Module, node: ast.AST) -> str:
+    """The name of the top-level def or class of `tree` that holds `node` ('<module>' at the top level)."""
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and any(
+                n is node for n in ast.walk(stmt)):
+            return stmt.name
+    return "<module>"
+
+
+def _calls(folder: pathlib.Path, name: str, *, bare: bool = False) -> set[str]:
+    """`file:scope` of each top-level def or class under `folder` that calls `name` (as `name(...)` or
+    `x.name(...)`); `bare`: only calls with no argument. The methods of one class are one place."""
+    places = set()
+    for path in sorted(folder.rglob("*.py")):
+        tree = _tree(path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if called == name and not (bare and (node.args or node.keywords)):
+                places.add(f"{path.relative_to(folder)}:{_top_level_scope(tree, node)}")
+    return places
+
+
+def test_the_default_profile_is_made_in_one_place():
+    """`ProfileConfig()` with no argument (the default profile) is written once, in `ProfileConfig.or_default`:
+    every stage that may be given no profile asks it, and the test suite changes the default there alone."""
+    assert _calls(PLANNER, "ProfileConfig", bare=True) == {"profile/profiler.py:ProfileConfig"}
+
+
+@pytest.mark.parametrize("name", ["in_bytes", "within_device_limit", "inner_budget"])
+def test_the_budget_is_converted_in_one_place(name):
+    """A request's budget becomes bytes (`Budget.in_bytes`), is clamped to the device (`within_device_limit`)
+    and loses its safety margin (`inner_budget`) in `ResolvedBudget` alone (choose/budget.py): every stage
+    reads that record, so no two stages can hold different budgets for one request."""
+    assert _calls(PLANNER, name) == {"choose/budget.py:ResolvedBudget"}

@@ -31,7 +31,7 @@ from ..settings import PlanRequest
 from ..solvers.problem import Problem, ProblemError, Solution
 from ..solvers.simulate import simulate
 from ..verification import step_differences
-from .budget import inner_budget
+from .budget import ResolvedBudget
 from .plan_store import plan_key, set_aside_stale
 from .profiled import Profiled, whole_modules_allowed
 from .race.candidates import candidate, candidates, explicit_variants, runner_up_plans
@@ -144,12 +144,11 @@ def autotune_solution(
     return result, notes
 
 
-def autotuned(p: Profiled, solution: Solution, budget: int, request: PlanRequest,
+def autotuned(p: Profiled, solution: Solution, resolved: ResolvedBudget, request: PlanRequest,
               steps: int) -> tuple[Solution, list[str]]:
-    """The measured choice among the plans of `p` that fit `budget` (bytes), kept in the timing store."""
+    """The measured choice among the plans of `p` that fit the budget `resolved.nbytes`, kept in the timing store."""
     gm, model, cap = p.capture.graph_module, p.model, p.capture
-    cfg = request.solve
-    inner = inner_budget(budget, p.problem.fixed_bytes, request.budget.safety_margin)
+    cfg, budget, inner = request.solve, resolved.nbytes, resolved.inner
 
     def build(regions, saved, paths, offloaded=()) -> torch.nn.Module:
         if paths:

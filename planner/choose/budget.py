@@ -15,6 +15,10 @@ feasible when the step as given fits it, or when the floor plan's peak fits
 The smallest feasible budget is the least B for which that holds, and never
 more than the peak of the step as given (which fits with no plan; on a stage-wise
 profile, that peak with the margin: `as_is_floor`).
+
+A request's budget is resolved once per problem into a `ResolvedBudget`: B in bytes
+as asked, B after the device clamp (`within_device_limit`), inner(B), and the notes
+that explain them. Every stage of choosing reads that record.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +34,7 @@ import torch
 from ..capture.preflight import nothing_to_plan
 from ..capture.trace import autocast_blocks
 from ..profile.memory import allocator_limit, device_room
-from ..settings import PlanRequest
+from ..settings import Budget, PlanRequest
 from ..solvers.heuristics.polish import lowest_polished
 from ..solvers.offload import most_offloaded
 from ..solvers.problem import Problem, Solution
@@ -38,8 +43,8 @@ from ..solvers.simulate import simulate
 from .profiled import REFERENCE_TOLERANCE, Profiled
 from .regions import finish_regions
 
-__all__ = ["inner_budget", "smallest_budget", "as_is_floor", "deterministic_problem", "floor_plans", "peak_detail", "floor_of", "refuse",
-           "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
+__all__ = ["ResolvedBudget", "budget_of", "inner_budget", "as_is_floor", "deterministic_problem", "floor_plans", "peak_detail", "floor_of",
+           "refuse", "check_feasible", "plain_step_fits", "reference_over_budget", "refuse_unplannable", "within_device_limit"]
 
 Regions = tuple[tuple[int, int], ...]
 
@@ -53,18 +58,75 @@ def inner_budget(budget: int, fixed: int, margin: float) -> int:
     return budget - max(0, int(margin * (budget - fixed)))
 
 
-def smallest_budget(peak: int, fixed: int, margin: float) -> int:
-    """The least budget B (bytes) with inner_budget(B) >= peak; inner_budget is non-decreasing in B."""
-    lo, hi = peak, max(peak, fixed + int((peak - fixed) / max(1e-9, 1 - margin)) + 2)
-    while inner_budget(hi, fixed, margin) < peak:
-        hi = 2 * hi + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if inner_budget(mid, fixed, margin) >= peak:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+@dataclass(frozen=True, kw_only=True)
+class ResolvedBudget:
+    """One request's budget converted to bytes once, for one problem: every stage of choosing (the solve,
+    the safety net, the race, the gate, the refusal of an infeasible budget) reads these figures.
+
+    Made by `ResolvedBudget.of`, the one place `Budget.in_bytes`, the device clamp (`within_device_limit`)
+    and the safety margin (`inner_budget`) are applied."""
+
+    asked: int | None
+    """The budget as the request gives it, in bytes (a fraction counted on this problem's fixed bytes and
+    peak as given); None: no budget given."""
+    nbytes: int | None
+    """What plans are held to (bytes): `asked`, or the peak as given for a model that checkpoints itself
+    and was given no budget, lowered to what the device lets a step's tensors take."""
+    fixed: int
+    """The problem's fixed bytes: parameters, gradients, inputs, optimizer state."""
+    margin: float
+    """The request's safety margin (fraction of the budget's activation part)."""
+    notes: tuple[str, ...] = ()
+    """Why `nbytes` is not `asked`, one line each (the plan's notes)."""
+    lowered: tuple[str, ...] = ()
+    """The device clamp's note alone, where it lowered the budget (an infeasible budget names it)."""
+
+    @classmethod
+    def of(cls, budget: Budget, fixed_bytes: int, as_given_peak_bytes: int, device: torch.device | str, *,
+           own_checkpointing: bool = False) -> ResolvedBudget:
+        """`budget` for a problem with these fixed bytes and peak as given (bytes) on `device`;
+        `own_checkpointing`: the model checkpoints itself, so with no budget it is held to its own peak."""
+        asked = budget.in_bytes(fixed_bytes, as_given_peak_bytes)
+        nbytes, notes = asked, []
+        if nbytes is None and own_checkpointing:
+            nbytes = as_given_peak_bytes
+            notes.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
+        nbytes, lowered = within_device_limit(nbytes, device)
+        return cls(asked=asked, nbytes=nbytes, fixed=fixed_bytes, margin=budget.safety_margin,
+                   notes=(*notes, *lowered), lowered=tuple(lowered))
+
+    @property
+    def inner(self) -> int | None:
+        """What the solvers plan for (bytes): `nbytes` less the margin of its activation part."""
+        return None if self.nbytes is None else inner_budget(self.nbytes, self.fixed, self.margin)
+
+    def smallest(self, peak: int) -> int:
+        """The least budget B (bytes) whose inner budget holds `peak` (bytes): what an infeasible budget
+        names. Bisection: inner_budget is non-decreasing in B."""
+        fixed, margin = self.fixed, self.margin
+        lo, hi = peak, max(peak, fixed + int((peak - fixed) / max(1e-9, 1 - margin)) + 2)
+        while inner_budget(hi, fixed, margin) < peak:
+            hi = 2 * hi + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if inner_budget(mid, fixed, margin) >= peak:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def as_asked(self) -> ResolvedBudget:
+        """The budget as asked, before the device clamp: what the bytes pass judges (the clamp is named
+        where a plan is solved)."""
+        return dataclasses.replace(self, nbytes=self.asked, notes=(), lowered=())
+
+
+def budget_of(p: Profiled, request: PlanRequest) -> ResolvedBudget:
+    """The request's budget resolved for `p`'s problem: made once per plan (and once per profile the bytes
+    pass judges: its bytes may differ from the timed profile's), read by every later step. A model that
+    checkpoints itself with no budget given is held to its own peak."""
+    return ResolvedBudget.of(request.budget, p.problem.fixed_bytes, p.baseline_peak_bytes, p.cost.device,
+                             own_checkpointing=bool(p.own_regions))
 
 
 def deterministic_problem(problem: Problem) -> Problem:
@@ -158,18 +220,19 @@ def floor_of(p: Profiled, solver: str, options: dict[str, Any], keep: bool,
     return p.floors[(*key, "polished")]
 
 
-def as_is_floor(p: Profiled, as_is: int, margin: float) -> int:
+def as_is_floor(p: Profiled, as_is: int, budget: ResolvedBudget) -> int:
     """The budget (bytes) an error names where the step as given (peak `as_is`) is the floor. A stage-wise
     profile (`cost.stages`) never ran that step whole: its peak is summed from each stage's own step, which
     misses some of an op's backward workspace (an LSTM's: 2-3 KB), and a call at the named budget profiles
     the step whole (its plain step fits), measuring it again. So the floor is named with the margin plans
     keep for the same error, as a plan's floor is; a whole profile's peak was measured and is named as is."""
-    return smallest_budget(as_is, p.problem.fixed_bytes, margin) if p.cost.stages else as_is
+    return budget.smallest(as_is) if p.cost.stages else as_is
 
 
-def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
-    """InfeasibleBudgetError naming the smallest feasible budget when neither a plan nor the step as given fits."""
-    problem, cfg, margin = p.problem, request.solve, request.budget.safety_margin
+def refuse(p: Profiled, resolved: ResolvedBudget, request: PlanRequest) -> None:
+    """InfeasibleBudgetError naming the smallest feasible budget when neither a plan nor the step as given
+    fits `resolved.nbytes`."""
+    problem, cfg, budget, inner = p.problem, request.solve, resolved.nbytes, resolved.inner
     keep = cfg.own_checkpointing == "keep" and bool(p.own_regions)
     given = finish_regions(problem, p.capture.graph_module, p.own_regions)[0] if p.own_regions else ()
     given_peak = simulate(problem, given).peak_bytes
@@ -177,13 +240,13 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
     if plain_peak <= budget and not keep:
         return
     fixed = problem.fixed_bytes
-    floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep, inner_budget(budget, fixed, margin))
+    floor_peak, _, _ = floor_of(p, cfg.solver, dict(cfg.options), keep, inner)
     as_is = given_peak if keep else min(plain_peak, given_peak)
-    named_as_is = as_is_floor(p, as_is, margin)
+    named_as_is = as_is_floor(p, as_is, resolved)
     if p.cost.stages:
-        refuse_unplannable(p, budget, cfg.solver, min(named_as_is, smallest_budget(floor_peak, fixed, margin)))
-    if floor_peak > inner_budget(budget, fixed, margin) and as_is > budget:
-        smallest = min(named_as_is, smallest_budget(floor_peak, fixed, margin))
+        refuse_unplannable(p, budget, cfg.solver, min(named_as_is, resolved.smallest(floor_peak)))
+    if floor_peak > inner and as_is > budget:
+        smallest = min(named_as_is, resolved.smallest(floor_peak))
         detail = ""
         if smallest == named_as_is:
             regions = given if given_peak <= plain_peak or keep else ()
@@ -197,20 +260,21 @@ def refuse(p: Profiled, budget: int, request: PlanRequest) -> None:
 
 
 def check_feasible(p: Profiled, request: PlanRequest) -> None:
-    """Raise InfeasibleBudgetError when no plan can meet the request's budget. Bytes alone decide, so
-    this holds on the bytes pass's profile as on the timed one."""
+    """Raise InfeasibleBudgetError when no plan can meet the request's budget as asked (the device clamp is
+    named where a plan is solved). Bytes alone decide, so this holds on the bytes pass's profile as on the
+    timed one."""
     if nothing_to_plan(p.model, p.capture.graph_module, p.cost.total_saved_bytes) is not None:
         return  # planning says why
-    budget = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes)
-    if budget is None or request.solve.solver not in SOLVERS:
+    budget = budget_of(p, request)
+    if budget.asked is None or request.solve.solver not in SOLVERS:
         return
-    refuse(p, budget, request)
+    refuse(p, budget.as_asked(), request)
 
 
 def plain_step_fits(p: Profiled, request: PlanRequest) -> bool:
-    """Whether the step with no checkpointing fits the request's budget, on bytes (no budget: it does)."""
-    budget = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes)
-    return budget is None or p.no_checkpoint_peak_bytes <= budget
+    """Whether the step with no checkpointing fits the request's budget as asked, on bytes (no budget: it does)."""
+    asked = budget_of(p, request).asked
+    return asked is None or p.no_checkpoint_peak_bytes <= asked
 
 
 def reference_over_budget(p: Profiled, budget: int) -> int:

@@ -1,7 +1,7 @@
-"""The choose stage in the order a `Planner` runs it: the budget in bytes, the solve, the safety net's check,
-the measured race held to the planning's own time, and the one gate every plan passes before it is returned
-(`held_to_budget`: no plan leaves whose own prediction is over its budget, whichever solver or candidate
-made it). Also the judges the profile asks while it measures (`judges`)."""
+"""The choose stage in the order a `Planner` runs it: the budget resolved once (budget.budget_of), the solve, the
+safety net's check, the measured race held to the planning's own time, and the one gate every plan passes
+before it is returned (`held_to_budget`: no plan leaves whose own prediction is over its budget, whichever
+solver or candidate made it). Also the judges the profile asks while it measures (`judges`)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from ..solvers.problem import Problem, Solution
 from ..solvers.registry import InfeasibleBudgetError
 from ..solvers.simulate import simulate
 from .autotune import autotuned
-from .budget import check_feasible, plain_step_fits, within_device_limit
+from .budget import ResolvedBudget, check_feasible, plain_step_fits
 from .profiled import Profiled, profiled
 from .race.rules import race_steps
 from .safety_net import checked
 from .solve import solve_budget
 
-__all__ = ["judges", "budget_of", "race_cap", "held_to_budget", "choose_solution", "planning_clock"]
+__all__ = ["judges", "race_cap", "held_to_budget", "choose_solution", "planning_clock"]
 
 Judge = Callable[[Any], Any]
 
@@ -45,17 +45,6 @@ def judges(model: Any, cap: Any, setup: Setup, chunks: list, notes: list[str],
         return plain_step_fits(judged(cost), feasible_for)
 
     return check, fits
-
-
-def budget_of(p: Profiled, request: PlanRequest) -> tuple[int | None, list[str], list[str]]:
-    """(budget in bytes, notes, the device clamp's notes): the request's budget; a model that checkpoints itself
-    with no budget given is held to its own peak; lowered to what the device lets a step take."""
-    budget, notes = request.budget.in_bytes(p.problem.fixed_bytes, p.baseline_peak_bytes), []
-    if budget is None and p.own_regions:
-        budget = p.baseline_peak_bytes
-        notes.append("no budget given: the budget is the peak of the model as given, with its own checkpointing")
-    budget, lowered = within_device_limit(budget, p.cost.device)
-    return budget, notes + lowered, lowered
 
 
 def race_cap(steps: int, planning_s: float, step_s: float) -> tuple[int, str | None]:
@@ -87,23 +76,25 @@ def held_to_budget(problem: Problem, solution: Solution, budget: int | None,
     raise PlannerError(f"{over}, and no plan within it was found; report the model")
 
 
-def choose_solution(p: Profiled, request: PlanRequest, budget: int | None, lowered: list[str], *, steps: int,
+def choose_solution(p: Profiled, request: PlanRequest, resolved: ResolvedBudget, *, steps: int,
                     planning_s: Callable[[], float] | None) -> tuple[Solution, list[str]]:
-    """Solve `budget`, check the plan's step against the model's, race the best plans on the device (`steps`
-    model steps; `planning_s()`, where given, the seconds planning took so far: the default race is held to
-    them), and pass the one gate. `lowered`: the device clamp's notes (an infeasible budget names it)."""
+    """Solve the budget (`resolved`, from `budget_of`), check the plan's step against the model's, race the
+    best plans on the device (`steps` model steps; `planning_s()`, where given, the seconds planning took so
+    far: the default race is held to them), and pass the one gate. An infeasible budget the device clamp
+    lowered names the clamp."""
+    budget = resolved.nbytes
     shown = f"{budget / 1e6:.1f} MB" if budget is not None else "none (knee of the curve)"
     with stage("solve", f"solver {request.solve.solver}, budget {shown}"):
         try:
-            solution, notes = solve_budget(p, budget, request)
+            solution, notes = solve_budget(p, resolved, request)
         except InfeasibleBudgetError as e:
-            if not lowered:
+            if not resolved.lowered:
                 raise
             raise InfeasibleBudgetError(e.budget_bytes, e.smallest_bytes, e.solver, p.problem.fixed_bytes,
-                                        detail=f"; {lowered[0]}, which no plan fits") from None
+                                        detail=f"; {resolved.lowered[0]}, which no plan fits") from None
     if p.check and (solution.regions or solution.offloaded or p.chunks):
         with stage("check", "one step of the plan against the model's own"):
-            solution, notes = checked(p, solution, notes, budget, request)
+            solution, notes = checked(p, solution, notes, resolved, request)
     solution, gated = held_to_budget(p.problem, solution, budget)
     notes = notes + gated
     keep = request.solve.own_checkpointing == "keep" and bool(p.own_regions)
@@ -112,7 +103,7 @@ def choose_solution(p: Profiled, request: PlanRequest, budget: int | None, lower
             steps, note = race_cap(steps, planning_s(), p.problem.base_step_s + solution.recompute_time)
             notes = notes + ([note] if note else [])
         with stage("autotune", f"the best plans that fit, timed on the device, at most {steps} steps"):
-            tuned, more = autotuned(p, solution, budget, request, steps)
+            tuned, more = autotuned(p, solution, resolved, request, steps)
         tuned, gated = held_to_budget(p.problem, tuned, budget, fallback=solution)
         solution, notes = tuned, notes + more + gated
     logger.info("solve: %s chose %d regions, predicted peak %.1f MB, recompute %.1f ms", solution.solver,

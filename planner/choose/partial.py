@@ -64,7 +64,7 @@ from ..solvers.plans import normalize_regions
 from ..solvers.problem import Cast, Node, Problem, Storage
 from ..solvers.simulate import simulate
 from .base import BasePlanner
-from .budget import within_device_limit
+from .budget import ResolvedBudget
 from .choice import held_to_budget
 from .solve import solve_partial
 
@@ -351,12 +351,12 @@ class PartialPlanner(BasePlanner):
         return simulate(self.problem, ()).peak_bytes
 
     def plan_for(self, request: PlanRequest) -> Plan:
-        budget = request.budget.in_bytes(self.problem.fixed_bytes, self.baseline_peak_bytes)
-        budget, lowered = within_device_limit(budget, self.pieces[0].cost.device if self.pieces else "cpu")
+        device = self.pieces[0].cost.device if self.pieces else "cpu"
+        resolved = ResolvedBudget.of(request.budget, self.problem.fixed_bytes, self.baseline_peak_bytes, device)
         cfg = request.solve
-        solution, notes = solve_partial(self.problem, budget, cfg.solver, dict(cfg.options), request.budget.safety_margin)
-        solution, gated = held_to_budget(self.problem, solution, budget)  # the gate every plan passes
-        notes = [*lowered, *notes, *gated]
+        solution, notes = solve_partial(self.problem, resolved, cfg.solver, dict(cfg.options))
+        solution, gated = held_to_budget(self.problem, solution, resolved.nbytes)  # the gate every plan passes
+        notes = [*resolved.notes, *notes, *gated]
         replan = None
         if self.replan is not None:
             again = request.replace(on_larger_shape="error", autotune=None)  # as Planner replans

@@ -24,7 +24,7 @@ from ..settings import PlanRequest
 from ..solvers.problem import Solution
 from ..solvers.registry import InfeasibleBudgetError
 from ..verification import OUT_OF_MEMORY, REFERENCE_OUT_OF_MEMORY, step_differences
-from .budget import reference_over_budget
+from .budget import ResolvedBudget, reference_over_budget
 from .profiled import Profiled
 from .solve import solve_budget
 
@@ -55,7 +55,7 @@ def reference_module(p: Profiled) -> torch.nn.Module | None:
     return checkpointed_copy(p.model, p.reference_paths) if p.reference_paths else None
 
 
-def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | None,
+def checked(p: Profiled, solution: Solution, notes: list[str], budget: ResolvedBudget,
             request: PlanRequest) -> tuple[Solution, list[str]]:
     """`solution` when its step equals the model's, else the plan solved again with what differed
     forbidden (kept ops, else regions) in `p.problem`, and a note that says so.
@@ -67,7 +67,7 @@ def checked(p: Profiled, solution: Solution, notes: list[str], budget: int | Non
     fault in a plan whose step differs."""
     gm, model, cap = p.capture.graph_module, p.model, p.capture
     reference = reference_module(p)
-    over = reference_over_budget(p, budget) if budget is not None else 0
+    over = reference_over_budget(p, budget.nbytes) if budget.nbytes is not None else 0
     against = "the step checkpointed per block" if p.reference_regions else "the model's own step"
     if over:
         notes = [*notes, (

@@ -13,7 +13,7 @@ from ..solvers.problem import Problem, Solution
 from ..solvers.registry import InfeasibleBudgetError, solve
 from ..solvers.simulate import simulate
 from ..solvers.sweep import knee, sweep
-from .budget import floor_of, inner_budget, refuse, smallest_budget
+from .budget import ResolvedBudget, floor_of, refuse
 from .plan_store import kept_plan, plan_key
 from .profiled import Profiled
 from .regions import finish_regions, with_regions
@@ -26,10 +26,11 @@ def finish(p: Profiled, regions, keep: bool) -> tuple[tuple[tuple[int, int], ...
     return finish_regions(p.problem, p.capture.graph_module, regions, p.own_regions if keep else ())
 
 
-def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple[Solution, list[str]]:
-    """The plan for `budget` (bytes; None: the knee of the curve) and the notes that explain it."""
-    problem, cfg = p.problem, request.solve
-    solver, options, margin = cfg.solver, dict(cfg.options), request.budget.safety_margin
+def solve_budget(p: Profiled, resolved: ResolvedBudget, request: PlanRequest) -> tuple[Solution, list[str]]:
+    """The plan for the budget `resolved.nbytes` (bytes; None: the knee of the curve) and the notes that
+    explain it."""
+    problem, cfg, budget = p.problem, request.solve, resolved.nbytes
+    solver, options = cfg.solver, dict(cfg.options)
     keep = cfg.own_checkpointing == "keep" and bool(p.own_regions)
     if budget is None:
         solution, notes = solve_unbudgeted(problem, solver, options)
@@ -43,10 +44,9 @@ def solve_budget(p: Profiled, budget: int | None, request: PlanRequest) -> tuple
     if plain_peak <= budget and not keep:
         note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
         return with_regions(problem, solve(problem, None, "none"), (), budget), [note]
-    fixed = problem.fixed_bytes
-    inner = inner_budget(budget, fixed, margin)
+    fixed, inner = problem.fixed_bytes, resolved.inner
     floor_peak, floor_regions, floor_offloaded = floor_of(p, solver, options, keep, inner)
-    refuse(p, budget, request)
+    refuse(p, resolved, request)
     stats = {"planned_for_bytes": inner}
     if floor_peak > inner or (keep and given_peak <= budget):
         note = f"the model as given fits the budget (predicted peak {given_peak / 1e9:.3f} GB): its own checkpointing, unchanged"
@@ -98,21 +98,21 @@ def solve_unbudgeted(problem: Problem, solver: str, options: dict[str, Any]) -> 
 
 
 def solve_partial(
-    problem: Problem, budget: int | None, solver: str, options: dict[str, Any], margin: float
+    problem: Problem, resolved: ResolvedBudget, solver: str, options: dict[str, Any]
 ) -> tuple[Solution, list[str]]:
-    """Solve a partially captured model's joined problem: no-op when it fits, the margin as for a whole graph,
-    and an infeasible budget named from bytes (budget.py)."""
+    """Solve a partially captured model's joined problem for `resolved.nbytes`: no-op when it fits, the margin
+    as for a whole graph, and an infeasible budget named from bytes (budget.py)."""
+    budget = resolved.nbytes
     if budget is None:
         return solve_unbudgeted(problem, solver, options)
     plain_peak = simulate(problem, ()).peak_bytes
     if plain_peak <= budget:
         note = f"the step fits the budget without checkpointing (predicted peak {plain_peak / 1e9:.3f} GB): no-op plan"
         return with_regions(problem, solve(problem, None, "none"), (), budget), [note]
-    fixed = problem.fixed_bytes
-    inner = inner_budget(budget, fixed, margin)
+    fixed, inner = problem.fixed_bytes, resolved.inner
     try:
         solution = solve(problem, inner, solver, **options)
     except InfeasibleBudgetError as e:
-        smallest = min(plain_peak, smallest_budget(e.smallest_bytes, fixed, margin))
+        smallest = min(plain_peak, resolved.smallest(e.smallest_bytes))
         raise InfeasibleBudgetError(budget, smallest, solver, fixed) from None
     return with_regions(problem, solution, solution.regions, budget, {"planned_for_bytes": inner}), []

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture.shapes import ShapeGuard, input_shapes
 from ..choose.base import BasePlanner
+from ..choose.budget import budget_of
 from ..errors import InputError
 from ..lower.rewrite import rewrite
 from ..plan import Plan
@@ -202,7 +203,7 @@ class CompiledPlanner(BasePlanner):
         knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
         if self.lowering == "regions" or (self.lowering == "best" and not knapsack_ok):
             return self._plan_regions(**budgets, **plan_args)
-        budget = request.budget.in_bytes(self.planner.problem.fixed_bytes, self.planner.baseline_peak_bytes)
+        budget = budget_of(self.planner.profiled, request).asked  # the measured peak is held to it, unclamped
         if self.lowering == "knapsack":
             return self._plan_knapsack(budget, plan_args)
         if budget is None:  # no budget: the knee plan; the knapsack's own loosest point has no budget to meet

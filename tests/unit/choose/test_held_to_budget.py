@@ -73,8 +73,8 @@ def test_a_planner_never_returns_a_raced_plan_over_its_budget(monkeypatch, tmp_p
     over = simulate(planner.problem, [(0, 0)]).peak_bytes
     assert over > budget
 
-    def raced(p, solution, budget, request, steps):  # a race that returns a plan over the budget
-        return dataclasses.replace(solution, regions=((0, 0),), saved=(), peak_bytes=budget - 1), ["raced"]
+    def raced(p, solution, resolved, request, steps):  # a race that returns a plan over the budget
+        return dataclasses.replace(solution, regions=((0, 0),), saved=(), peak_bytes=resolved.nbytes - 1), ["raced"]
 
     monkeypatch.setattr(choice, "autotuned", raced)
     plan = planner.plan(budget_bytes=budget, autotune=True, solver="dp")

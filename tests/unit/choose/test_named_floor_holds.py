@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from ckpt_planner import optimize
 from ckpt_planner.api import Planner
-from ckpt_planner.choose.budget import as_is_floor, smallest_budget
+from ckpt_planner.choose.budget import as_is_floor, budget_of
 from ckpt_planner.errors import InfeasibleBudgetError
 from ckpt_planner.profile.bytes_pass import PROFILES
 from ckpt_planner.profile.profiler import ProfileConfig
+from ckpt_planner.settings import PlanRequest
 from ckpt_planner.verification import verify
 from torch import nn
 
@@ -67,9 +68,13 @@ def test_as_is_floor_keeps_the_margin_only_where_the_step_never_ran_whole():
     staged = Planner(model, inputs, profile_config=ProfileConfig(warmup=0, repeats=1, flop_times=True,
                                                                  bounded=True)).profiled
     assert not whole.cost.stages and staged.cost.stages
-    peak, fixed = staged.no_checkpoint_peak_bytes, staged.problem.fixed_bytes
-    assert as_is_floor(whole, whole.no_checkpoint_peak_bytes, 0.02) == whole.no_checkpoint_peak_bytes
-    named = as_is_floor(staged, peak, 0.02)
-    assert named == smallest_budget(peak, fixed, 0.02) > peak
+    peak, request = staged.no_checkpoint_peak_bytes, PlanRequest.of(budget_bytes=1, safety_margin=0.02)
+    on_whole, on_staged = budget_of(whole, request), budget_of(staged, request)
+    assert as_is_floor(whole, whole.no_checkpoint_peak_bytes, on_whole) == whole.no_checkpoint_peak_bytes
+    named = as_is_floor(staged, peak, on_staged)
+    assert named == on_staged.smallest(peak) > peak
+    # the least budget whose inner budget (less 2 % of its activation part) holds the peak
+    fixed = staged.problem.fixed_bytes
+    assert named - int(0.02 * (named - fixed)) >= peak > (named - 1) - int(0.02 * (named - 1 - fixed))
     # the stage-wise estimate of the plain step is under the whole step's measured peak; the margin covers it
     assert peak <= whole.no_checkpoint_peak_bytes <= named
