@@ -16,6 +16,7 @@ import pulp
 import pytest
 from ckpt_planner.solvers import simulate, solve
 from ckpt_planner.solvers.exact import ilp as ilp_module
+from ckpt_planner.solvers.exact import milp_backend, milp_model
 
 from .test_solvers_edge import chain
 
@@ -49,7 +50,7 @@ class Garbage(pulp.LpSolver):
 
 def broken(monkeypatch, stand_in: type[pulp.LpSolver], backends=("cbc", "highs")) -> list[str]:
     """Replace the named backends by `stand_in`; returns the list of backends asked for, in order."""
-    real = ilp_module._backend
+    real = milp_model._backend
     asked: list[str] = []
 
     def backend(name, *args, **kwargs):
@@ -58,7 +59,7 @@ def broken(monkeypatch, stand_in: type[pulp.LpSolver], backends=("cbc", "highs")
             return name, stand_in(msg=False)
         return real(name, *args, **kwargs)
 
-    monkeypatch.setattr(ilp_module, "_backend", backend)
+    monkeypatch.setattr(milp_model, "_backend", backend)
     return asked
 
 
@@ -79,7 +80,7 @@ def test_cbc_is_the_default_without_highspy(monkeypatch):
 @pytest.mark.parametrize("time_limit, warm", [(0.8, False), (20.0, False), (None, True)])
 def test_cbc_is_never_warm_started_under_a_time_limit(time_limit, warm):
     with pytest.warns(DeprecationWarning):  # pulp 3.x announces its 4.0 API
-        _, solver = ilp_module._backend("cbc", time_limit, 0.0, "log", warm=True)
+        _, solver = milp_backend._backend("cbc", time_limit, 0.0, "log", warm=True)
     assert bool(solver.optionsDict.get("warmStart")) is warm
 
 

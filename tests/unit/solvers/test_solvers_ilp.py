@@ -23,7 +23,7 @@ from ckpt_planner.solvers import InfeasibleBudgetError, Problem, simulate, solve
 from ckpt_planner.solvers import auto as auto_module
 from ckpt_planner.solvers.costs import recompute_time, trim_flat_regions
 from ckpt_planner.solvers.exact.bruteforce import bruteforce
-from ckpt_planner.solvers.exact.ilp import _best_bound
+from ckpt_planner.solvers.exact.milp_backend import _best_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
