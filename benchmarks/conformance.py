@@ -16,6 +16,7 @@ so each cell's plan is deterministic):
   inexact         exact=False at activation_budget=0.3 (chunked token-wise work allowed)
   compile_bytes   compile=True, budget_bytes 0.75x the plain step's measured peak
   compile_frac    compile=True, activation_budget=0.5
+                  (inductor's fallback_random on: its dropout draws from the eager step's random stream)
                   (both compile paths on COMPILE_MODELS only unless --all-compile or --models names them)
   peft            a PEFT LoRA wrap (rank 4 on every Linear/Conv layer peft takes), activation_budget=0.5
   cli             exported to .pt2 (export_for_cli) and planned by `ckpt-planner plan --verify`, fraction 0.5
@@ -147,12 +148,19 @@ def _setting(path: str, model, inputs) -> tuple[object, object, dict, contextlib
         kw = {"budget_bytes": int(0.75 * _plain_peak(model, inputs)), "compile": True}
     elif path == "compile_frac":
         kw = {"activation_budget": FRACTION, "compile": True}
+    if kw.get("compile"):
+        # inductor draws dropout's masks from its own generator unless told to fall back to aten's random ops:
+        # without it the compiled step trains with other masks than the eager one it is compared against
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
     elif path == "peft":
         model = _peft_wrap(model)
     return model, inputs, kw, ctx
 
 
-def _judge(row: dict, plan, report, *, exact_required: bool, check_prediction: bool) -> dict:
+def _judge(row: dict, plan, report, *, exact_required: bool, check_prediction: bool,
+           cpu_overhead: float | None = None) -> dict:
     """Fill `row` from a plan and its verify() report; status PASS or FAIL with the reasons."""
     budget = plan.budget_bytes
     row.update(
@@ -161,6 +169,9 @@ def _judge(row: dict, plan, report, *, exact_required: bool, check_prediction: b
         capture=plan.capture_method, exact=report.exact, grads_allclose=report.grads_allclose,
         max_abs_grad_diff=report.max_abs_grad_diff, max_rel_grad_diff=report.max_rel_grad_diff,
         prediction_error=report.prediction_error if check_prediction else None,
+        predicted_overhead=getattr(plan, "predicted_overhead", None),
+        measured_overhead_wall=(report.step_time_ratio - 1.0) if hasattr(report, "step_time_ratio") else None,
+        measured_overhead_cpu=cpu_overhead,
     )
     problems = []
     if budget is not None and report.measured_peak_bytes > budget:
@@ -241,6 +252,39 @@ def _compiled_report(model, plan, inputs) -> CompiledReport:
                           diff / scale, exact, close, (plan.predicted_peak_bytes - measured) / max(1, measured))
 
 
+CPU_REPEATS = 3
+
+
+def _cpu_overhead(model, module, inputs) -> float:
+    """The plan's step over the plain step, minus one, in process CPU time (one torch thread: CPU seconds are the
+    step's own work, far less moved by other processes on the machine than wall time); median of CPU_REPEATS
+    interleaved pairs, after one warm-up pair."""
+    from ckpt_planner.capture.trace import normalize_inputs
+    from ckpt_planner.model_state import ModelState
+    from ckpt_planner.verification import default_loss
+
+    args, kwargs = normalize_inputs(inputs, model)
+    params = list(model.parameters())
+
+    def step(m) -> float:
+        for p in params:
+            p.grad = None
+        t0 = time.process_time()
+        default_loss(m(*args, **kwargs)).backward()
+        return time.process_time() - t0
+
+    base, ours = [], []
+    with ModelState(model).preserved():
+        for i in range(CPU_REPEATS + 1):
+            b, o = step(model), step(module)
+            if i:
+                base.append(b)
+                ours.append(o)
+    for p in params:
+        p.grad = None
+    return sorted(ours)[len(ours) // 2] / max(1e-9, sorted(base)[len(base) // 2]) - 1.0
+
+
 def _plan_python(path: str, model, inputs, kw: dict, ctx) -> tuple:
     from ckpt_planner import optimize
     from ckpt_planner.verification import verify
@@ -250,7 +294,11 @@ def _plan_python(path: str, model, inputs, kw: dict, ctx) -> tuple:
         plan = optimize(model, inputs, profile_config=_flops(), autotune=False, **kw)
         plan_s = time.perf_counter() - t0
         report = _compiled_report(model, plan, inputs) if kw.get("compile") else verify(model, plan, inputs, repeats=1)
-    return plan, report, plan_s
+        cpu = None
+        if not kw.get("compile"):
+            with contextlib.suppress(Exception):  # a figure for the report, never the cell's result
+                cpu = _cpu_overhead(model, plan.module, inputs)
+    return plan, report, plan_s, cpu
 
 
 def _python_cell(path: str, name: str) -> dict:
@@ -262,7 +310,7 @@ def _python_cell(path: str, name: str) -> dict:
     exact_required = kw.get("exact", True) and not compiled
     row: dict = {}
     try:
-        plan, report, plan_s = _plan_python(path, model, inputs, kw, ctx)
+        plan, report, plan_s, cpu = _plan_python(path, model, inputs, kw, ctx)
     except InfeasibleBudgetError as e:
         row.update(refusal=_line(e), smallest_bytes=e.smallest_bytes)
         kw = {k: v for k, v in kw.items() if k not in ("activation_budget", "budget_bytes")}
@@ -270,14 +318,14 @@ def _python_cell(path: str, name: str) -> dict:
         if compiled:
             torch._dynamo.reset()
         try:
-            plan, report, plan_s = _plan_python(path, model, inputs, kw, ctx)
+            plan, report, plan_s, cpu = _plan_python(path, model, inputs, kw, ctx)
         except Exception as e2:  # noqa: BLE001 - the smallest budget named must plan
             return {**row, "status": "FAIL", "reason": f"refused again at the smallest budget it named: {_line(e2)}"}
         row["at_smallest"] = True
     row["plan_s"] = plan_s
     if compiled:
         row["compiled_measured_bytes"] = getattr(plan, "measured_peak_bytes", None)
-    return _judge(row, plan, report, exact_required=exact_required, check_prediction=not compiled)
+    return _judge(row, plan, report, exact_required=exact_required, check_prediction=not compiled, cpu_overhead=cpu)
 
 
 def _cli_plan(pt2: Path, out: Path, budget: list[str]) -> subprocess.CompletedProcess:
