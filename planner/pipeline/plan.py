@@ -25,7 +25,15 @@ from ..plan import Plan
 from ..profile.memory import LiveMemory
 from ..settings import PlanRequest
 from .schedule import pipeline_step_s
-from .stage import StageFigures, StageSpec, chosen_solver, per_layer_regions, search_inner_budget, stage_figures
+from .stage import (
+    StageFigures,
+    StageSpec,
+    chosen_solver,
+    layer_subsets,
+    per_layer_regions,
+    search_inner_budget,
+    stage_figures,
+)
 
 __all__ = ["StagePlan", "PipelinePlan", "plan_stage", "plan_pipeline", "check_stage_plan"]
 
@@ -121,7 +129,7 @@ def plan_stage(module: torch.nn.Module, example_inputs: Any, *, schedule: type, 
                          n_microbatches * _nbytes(target), loss_peak, loss_kept)
         planner = Planner(module, inputs, **setup)
         problem = planner.problem
-        candidates = (per_layer_regions(problem, per_layer),) if per_layer else ()
+        candidates = layer_subsets(per_layer_regions(problem, per_layer)) if per_layer else ()
         inner, chosen, _ = search_inner_budget(problem, spec, budget_bytes, solver, solver_options, candidates=candidates)
         # the chosen plan lowered as it is (solver 'pipeline_stage'), at the single-microbatch peak it has
         with chosen_solver():

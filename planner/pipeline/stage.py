@@ -43,7 +43,8 @@ from ..solvers.registry import SOLVERS, InfeasibleBudgetError, SolverResult, sol
 from ..solvers.simulate import simulate
 from .schedule import in_flight
 
-__all__ = ["StageFigures", "StageSpec", "stage_figures", "per_layer_regions", "search_inner_budget", "chosen_solver"]
+__all__ = ["StageFigures", "StageSpec", "stage_figures", "per_layer_regions", "layer_subsets", "search_inner_budget",
+           "chosen_solver"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,40 @@ def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], .
     return tuple(sorted((a, b) for a, b in spans.values()))
 
 
+def layer_subsets(layers: tuple[tuple[int, int], ...], exhaustive_up_to: int = 6) -> list[tuple[tuple[int, int], ...]]:
+    """Per-layer checkpointing on some of the layers only (Megatron's partial checkpointing): what a stage
+    holding several microbatches needs, where checkpointing every layer recomputes more than its budget
+    asks and a solver's plans, cut for one microbatch's peak, leave too much saved per microbatch. Every
+    non-empty subset up to `exhaustive_up_to` layers, then the first j and the last j layers."""
+    n = len(layers)
+    if n <= exhaustive_up_to:
+        return [tuple(r for i, r in enumerate(layers) if mask >> i & 1) for mask in range(1, 1 << n)]
+    return [layers[:j] for j in range(1, n + 1)] + [layers[-j:] for j in range(1, n)]
+
+
+def fill_kept(problem: Problem, spec: StageSpec, budget_bytes: int, regions) -> tuple[tuple[int, ...], StageFigures] | None:
+    """The nodes inside `regions` a selective cache keeps (`saved`), added while the whole stage still fits
+    `budget_bytes`: the most recompute time per byte kept first, each judged on the stage's peak. What a
+    plan keeps is held once per microbatch in flight, so the room a stage has is filled here, not by a
+    solver's single-microbatch budget. None when `regions` alone does not fit."""
+    figs = stage_figures(problem, spec, regions)
+    if figs.peak_bytes > budget_bytes:
+        return None
+    made = [0] * problem.n  # bytes each node's outputs take
+    for st in problem.storages:
+        made[st.producer] += st.nbytes
+    inside = {i for a, b in regions for i in range(a, b + 1)}
+    order = sorted((i for i in inside if problem.nodes[i].saveable and problem.nodes[i].time > 0),
+                   key=lambda i: -problem.nodes[i].time / max(made[i], 1))
+    kept: list[int] = []
+    for i in order:
+        trial = stage_figures(problem, spec, regions, tuple(kept + [i]))
+        if trial.peak_bytes <= budget_bytes and trial.recompute_s < figs.recompute_s:
+            kept.append(i)
+            figs = trial
+    return tuple(sorted(kept)), figs
+
+
 CHOSEN = "pipeline_stage"
 
 
@@ -184,7 +219,8 @@ def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, so
     peak simulated (`stage_figures`). A solver minimises one microbatch's peak, not what its forward
     leaves saved, which the other in-flight microbatches multiply: `candidates` (regions tuples, such as
     per-layer checkpointing) and the `uniform` solver's plans are judged beside the probes. The stage's
-    peak need not be monotone in the inner budget, so every fitting plan is kept and the best returned."""
+    peak need not be monotone in the inner budget, so every fitting plan is kept and the best returned.
+    Each candidate is also judged with the nodes inside it that the stage has room to keep (`fill_kept`)."""
     options = dict(solver_options or {})
     lo, hi = problem.fixed_bytes, budget_bytes
     best = None
@@ -199,6 +235,10 @@ def search_inner_budget(problem: Problem, spec: StageSpec, budget_bytes: int, so
     with chosen_solver():
         for regions in candidates:
             consider(simulate(problem, regions).peak_bytes, solve(problem, None, CHOSEN, regions=regions))
+            filled = fill_kept(problem, spec, budget_bytes, regions)
+            if filled is not None and filled[0]:
+                sol = solve(problem, None, CHOSEN, regions=regions, saved=filled[0])
+                consider(simulate(problem, regions, saved=filled[0]).peak_bytes, sol)
     for segments in range(1, 2 * problem.n + 1):  # Chen et al.'s segments, as many as the graph has
         try:
             sol = solve(problem, None, "uniform", max_segments=segments)

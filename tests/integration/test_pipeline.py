@@ -37,7 +37,7 @@ def _worker(rank: int, init_method: str, out: str) -> None:
         micro = batch.shape[0] // MICROBATCHES
         pp = plan_pipeline(stages, (batch[:micro],), schedule=Schedule1F1B, n_microbatches=MICROBATCHES,
                            budget_bytes=BUDGET, loss_fn=stage_loss, target=target[:micro],
-                           profile_config=FAST, check_step=False, solver="greedy")
+                           per_layer="blocks", profile_config=FAST, check_step=False, solver="greedy")
         mine = pp.stages[rank]
         stage = PipelineStage(mine.module, rank, WORLD, torch.device("cpu"))
         schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=stage_loss)

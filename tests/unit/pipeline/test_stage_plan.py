@@ -5,6 +5,7 @@ import pytest
 import torch
 from ckpt_planner import Plan, PlanMismatchError, ProfileConfig
 from ckpt_planner.pipeline import check_stage_plan, plan_stage, stage_figures
+from ckpt_planner.pipeline.stage import layer_subsets, per_layer_regions
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from benchmarks.pipeline import llama_stages
@@ -53,3 +54,25 @@ def test_a_tighter_budget_recomputes_on_the_stage_that_holds_more():
     assert tight.figures.peak_bytes <= budget and tight.figures.recompute_s > 0
     last = plan_stage(stages[3], (x3.requires_grad_(),), stage=3, budget_bytes=budget, **kw)
     assert last.figures.in_flight == 1 and last.figures.recompute_s == 0
+
+
+def test_a_stage_keeps_inside_its_checkpointed_layers_what_its_budget_has_room_for():
+    # stage 0 holds four microbatches: checkpointing whole layers throws room away, a solver's plan cut for
+    # one microbatch's peak leaves too much saved per microbatch; keeping the costliest nodes per byte
+    # inside the checkpointed layers fills the room
+    stages, batch, _ = llama_stages(4, d=16, hidden=32, batch=8, seq=8)
+    kw = dict(schedule=Schedule1F1B, n_microbatches=8, stage=0, n_stages=4, profile_config=FAST, check_step=False,
+              solver="greedy")
+    free = plan_stage(stages[0], (batch[:2],), budget_bytes=1 << 30, per_layer="blocks", **kw)
+    layer, none = free.per_layer.peak_bytes, free.figures.peak_bytes
+    budget = (layer + none) // 2
+    solver_only = plan_stage(stages[0], (batch[:2],), budget_bytes=budget, **kw)
+    planned = plan_stage(stages[0], (batch[:2],), budget_bytes=budget, per_layer="blocks", **kw)
+    problem, spec = planned.plan.problem, planned.spec
+    subsets = [stage_figures(problem, spec, r) for r in layer_subsets(per_layer_regions(problem, "blocks"))]
+    best_subset = min(f.recompute_s for f in subsets if f.peak_bytes <= budget)
+    assert planned.plan.saved_indices() and planned.figures.peak_bytes <= budget
+    assert planned.figures.recompute_s < min(best_subset, solver_only.figures.recompute_s)
+    # the lowered plan keeps what the search kept: its own figures, re-simulated, are the same
+    again = stage_figures(problem, spec, planned.plan.spans(), planned.plan.saved_indices())
+    assert again.peak_bytes == planned.figures.peak_bytes and again.recompute_s == planned.figures.recompute_s
