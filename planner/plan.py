@@ -3,6 +3,9 @@
 A plan file is JSON (schema `ckpt-planner/plan`, version 1) holding the
 solver and its settings, the budget, the regions by node name and module
 path, the predicted figures and a fingerprint of the graph it was made for.
+
+One concept, so one module over 500 lines: the Plan record, its figures, its file and its rebuild on a model
+(the file's schema is plan_schema.py, the checks of a loaded plan plan_check.py).
 """
 
 from __future__ import annotations

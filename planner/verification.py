@@ -10,6 +10,10 @@ tensor storages (`LiveMemory`). The model is left as it was found.
 
 `step_differences` is the same comparison without the timing, for the safety net (choose/safety_net.py)
 and for plans read from a file (`Plan.rebuild`: `check_loaded_step`, `check_measured`).
+
+One concept, so one module over 500 lines: comparing a plan's step with the model's; `verify` (timed,
+measured) and `step_differences` (the safety net, loaded plans) share the state set-up that makes the
+comparison exact.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ separated by the same number of token-mixing ops from the inputs (so no path lea
 back). Each `TokenGroup` says which tensors enter it split along the axis and which whole, and how each
 output is put back together (concatenated, or the loss summed over chunks). `planner/lower/chunk.py`
 runs such a group in chunks.
+
+One concept, so one module over 500 lines: the token-wise analysis; the per-op axis rules and the grouping
+read each other's results and are checked together.
 """
 
 from __future__ import annotations

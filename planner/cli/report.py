@@ -10,6 +10,9 @@ At plan time the CLI stores in `plan.stats`:
 A bench file (`ckpt-planner bench -o bench.json`) adds measured figures and
 measured timelines (`planner.bench.measure_timeline`). Plots are matplotlib (Agg) PNGs
 embedded as base64 data URIs, so the page needs nothing else.
+
+One concept, so one module over 500 lines: the report page; HTML and Markdown render the same sections and
+plots from the same plan data.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ a real CPU step's; one dispatch mode counts storages and FLOPs together.
 An op whose output size depends on values (a masked loss's boolean index) takes the largest size it can
 make there, or the size the example's values make where it has no largest (profile/dynamic_shapes.py);
 the CostGraph's notes say which.
+
+One concept, so one module over 500 lines: one recording run turned into the CostGraph (the recording is
+record.py, node times timing.py, the backward's temporaries backward.py).
 """
 
 from __future__ import annotations

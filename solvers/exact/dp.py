@@ -24,6 +24,9 @@ Memory is discretised into slots over headrooms up to 1.5 x the simulated
 no-checkpoint activation memory: sizes are counted in units of the greatest
 common divisor of all sizes when that gives few enough slots (then the model
 is exact), else in units of range / slots with sizes rounded to nearest.
+
+One concept, so one module over 500 lines: the rotor-family DP; the chain, the slot discretisation and the
+budget search that checks each plan with `simulate` share one table (`DPSearch`).
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ so even a fallback to ``weights_only=False`` inside torch cannot unpickle code.
 ``trust_pickle=True`` skips the allowlist and the grammar (the layout checks and
 the size caps stay). `open_torch_save_file` applies the layout checks and caps
 to a ``torch.save`` file (the command line's ``--inputs``) before it is loaded.
+
+One concept, so one module over 500 lines: the untrusted-archive gate; its layout, allowlist and size checks
+and the load read the same bytes in one pass, and apart they would leave a gap between check and use.
 """
 
 from __future__ import annotations
