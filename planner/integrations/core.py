@@ -141,7 +141,7 @@ class Applied:
     predicted_recompute_s: float
     modules: tuple[str, ...] = ()
     """Checkpointed submodule paths ('modules')."""
-    regions: tuple[tuple[str, str, frozenset[int]], ...] = ()
+    regions: tuple[tuple[str, str, frozenset[str]], ...] = ()
     """(first node, last node, kept positions) of each region the running module executes ('graph')."""
     candidate: ModuleCandidate | None = None
     """The whole-module plan applied ('modules'); `candidate.name` is 'as planned' when it is the plan itself."""

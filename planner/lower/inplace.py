@@ -32,6 +32,7 @@ from ..solvers.problem import Problem
 from ..solvers.simulate import simulate
 from .apply import _unwrap, module_aligned
 from .rewrite import CheckpointRegion
+from .selective import keep_begin, keep_end
 
 __all__ = [
     "run_in_place", "restore_forward", "running_module", "executed_regions", "ModuleCandidate",
@@ -88,7 +89,8 @@ def running_module(model: torch.nn.Module) -> torch.nn.Module | None:
 
 def _ends(region: CheckpointRegion, regions: dict[str, CheckpointRegion], last: bool) -> str:
     """Name of the region's first (or last) graph node, looking through nested regions and their unpacking."""
-    nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    nodes = [n for n in region.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+             and n.target not in (keep_begin, keep_end)]  # a kept node's markers are not the plan's nodes
     if last:
         nodes.reverse()
     for node in nodes:
@@ -102,16 +104,22 @@ def _ends(region: CheckpointRegion, regions: dict[str, CheckpointRegion], last: 
     return ""
 
 
-def executed_regions(module: torch.nn.Module) -> list[tuple[str, str, frozenset[int]]]:
-    """(first node, last node, kept positions) of each checkpoint region `module` runs, sorted.
+def executed_regions(module: torch.nn.Module) -> list[tuple[str, str, frozenset[str]]]:
+    """(first node, last node, kept nodes) of each checkpoint region `module` runs, sorted; the kept nodes
+    by name, as a plan's `saved_ops` names them (those its graph marks with `keep_begin`).
 
     Region submodules are looked up by their name on the checkpointed root (nested ones included), so
     the result reads the graph that runs, not the plan it came from.
     """
     regions = {name: m for name, m in module.named_modules() if isinstance(m, CheckpointRegion)}
     by_target = {name.rsplit(".", 1)[-1]: m for name, m in regions.items()}
-    out = [(_ends(m, by_target, False), _ends(m, by_target, True), m.saved_positions) for m in regions.values()]
+    out = [(_ends(m, by_target, False), _ends(m, by_target, True), _kept(m)) for m in regions.values()]
     return sorted(out, key=lambda r: (r[0], r[1], sorted(r[2])))
+
+
+def _kept(region: CheckpointRegion) -> frozenset[str]:
+    """Names of the nodes a region's graph keeps: each follows a `keep_begin` marker."""
+    return frozenset(n.next.name for n in region.graph.nodes if n.op == "call_function" and n.target is keep_begin)
 
 
 # -- whole modules only -----------------------------------------------------------------

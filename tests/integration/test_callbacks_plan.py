@@ -132,7 +132,7 @@ def test_trainer_runs_the_plan_it_chose(hf_runs) -> None:
     assert all(m is plan.module for m in run.running[since:])
     assert all(m is not None for m in run.running)
     # the regions and kept ops of the graph that ran are the plan's
-    chosen = sorted((r.first_node, r.last_node, frozenset(r.saved_positions)) for r in plan.regions)
+    chosen = sorted((r.first_node, r.last_node, frozenset(r.saved_ops)) for r in plan.regions)
     assert executed_regions(plan.module) == chosen
     assert list(callback.application.regions) == chosen
     # predicted for the Trainer's step: the plan's own figure less the logits compute_loss drops before the
@@ -302,7 +302,7 @@ def test_lightning_runs_the_plan_it_chose_at_the_collators_length() -> None:
     assert dict(callback.planned_shapes.shapes)["input_ids"] == (BATCH, LONGEST)
     assert callback.application.kind == "graph"
     assert executed_regions(plan.module) == sorted(
-        (r.first_node, r.last_node, frozenset(r.saved_positions)) for r in plan.regions)
+        (r.first_node, r.last_node, frozenset(r.saved_ops)) for r in plan.regions)
     longest = max(callback.measurements, key=lambda m: dict(m.shapes.shapes)["input_ids"][1])
     assert dict(longest.shapes.shapes)["input_ids"][1] == LONGEST
     assert longest.peak_bytes <= plan.budget_bytes
