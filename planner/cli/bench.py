@@ -8,6 +8,8 @@ back with `load_bench_file`.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,10 +17,13 @@ from typing import Any
 
 import torch
 
+from ..plan_schema import write_file
+from .cli_args import EXIT_FAIL, EXIT_OK
+from .outputs import bar_stage, command_output, err, note, out, progress_bar, say
 from .report import _fmt_bytes, fits_text
 from .report_data import _downsample
 
-__all__ = ["measure_timeline", "step_times", "bench", "bench_table", "load_bench_file"]
+__all__ = ["measure_timeline", "step_times", "bench", "bench_table", "load_bench_file", "planner_for", "cmd_bench"]
 
 
 def measure_timeline(
@@ -254,3 +259,73 @@ def load_bench_file(path: str) -> dict[str, Any]:
         raise PlanFileError(f"{source} is not a ckpt-planner bench file (write one with `ckpt-planner bench -o`)")
     check_json_limits(data, source)  # finite numbers, 64-bit integers, no lone surrogates, sizes
     return data
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def planner_for(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
+    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
+    `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
+    from ..api import Planner
+    from ..capture.preflight import nothing_to_plan
+    from .loading import inputs_named
+
+    with bar_stage(bar, "capturing and profiling"), inputs_named(loaded, inputs, record):
+        planner = Planner(
+            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
+            check_step=getattr(args, "check_step", True), feasible_for=feasible_for,
+        )
+    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
+    if empty is not None:
+        raise empty
+    return planner
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Optimize + verify with each solver side by side; table or JSON."""
+    from ..errors import InputError
+    from ..solvers.registry import SOLVERS
+    from .loading import model_and_inputs
+
+    if args.device == "meta":
+        raise InputError("device: bench runs the model; use --device cpu or cuda")
+    names = [s.strip() for s in args.solvers.split(",") if s.strip()]
+    if not names:
+        raise InputError("--solvers: the list is empty; give comma-separated solver names")
+    skipped = [n for n in names if n not in SOLVERS]
+    names = [n for n in names if n in SOLVERS]
+    if not names:
+        raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(SOLVERS))}")
+    for n in skipped:
+        note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
+    target = command_output(args.output, "output", args) if args.output else None
+    loaded, inputs, record = model_and_inputs(args)
+    with progress_bar(args, 1 + len(names), "bench") as bar:
+        planner = planner_for(args, loaded, inputs, record, bar)
+        bar.set_description_str("solving, verifying, timing")
+        result = bench(planner, inputs, names, {"budget_gb": args.budget_gb, "budget_bytes": args.budget_bytes,
+                                                         "activation_budget": args.activation_budget}, tick=lambda name: _tick(bar, name))
+    result.update(device=args.device, source=record, skipped=skipped)
+    if not any(r["status"] == "ok" for r in result["rows"]):
+        reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
+        err(f"no solver produced a plan ({reasons}); no bench file written")
+        return EXIT_FAIL
+    if target is not None:
+        write_file(target, json.dumps(result, indent=2))
+    if args.json:
+        rows = [{k: v for k, v in r.items() if k != "timeline"} for r in result["rows"]]
+        out(args, json.dumps({**result, "rows": rows}, indent=2))
+    else:
+        say(args, bench_table(result) + (f"\nbench written to {target}" if target else ""))
+    bad = [r["solver"] for r in result["rows"]
+           if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
+    if bad:
+        err(f"verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _tick(bar, name: str) -> None:
+    bar.set_description_str(f"solver {name}")
+    bar.update(1)

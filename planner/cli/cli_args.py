@@ -11,9 +11,10 @@ import math
 import sys
 from collections.abc import Callable
 
-__all__ = ["EXIT_USAGE", "build_parser", "default_solver"]
+__all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_USAGE", "EXIT_INTERRUPTED", "build_parser", "default_solver"]
 
-EXIT_USAGE = 2
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+"""Exit codes: ok; infeasible budget or failed verification; bad usage or input; interrupted (Ctrl-C)."""
 
 
 class _Parser(argparse.ArgumentParser):

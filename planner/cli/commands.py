@@ -4,9 +4,11 @@ Subcommands: plan, apply, bench, report, profile, demo, export. Every error is o
 line on stderr. Exit codes: 0 ok, 1 infeasible budget or failed
 verification, 2 bad usage or bad input (missing or unreadable file, bad
 shape, unknown solver, plan for another model, unwritable output), 130
-interrupted (Ctrl-C). Argument parsing and validation live in cli_args.py. Outputs
-are written to a temporary file next to the target and renamed into place,
-so a failed command leaves no partial file.
+interrupted (Ctrl-C). Argument parsing and validation live in cli_args.py, `bench` and
+`export` beside what they run (bench.py, export.py), what is printed and written in outputs.py.
+`plan` plans through planner.api.plan_model, the one place that chooses among the whole, compiled,
+chunked and in-parts paths. Outputs are written to a temporary file next to the target and renamed
+into place, so a failed command leaves no partial file.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_args import build_parser
+from .bench import cmd_bench, planner_for
+from .cli_args import EXIT_FAIL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, build_parser
+from .export import cmd_export
 from .loading import inputs_named
-from .outputs import bar_stage, err, no_logs, note, one_line, one_line_warnings, out, progress_bar, say
-
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from .loading import model_and_inputs as _model_and_inputs  # one name a timing harness wraps
+from .outputs import bar_stage, command_output, err, no_logs, note, one_line, one_line_warnings, out, progress_bar, say
 
 
 def _fmt(n: float) -> str:
@@ -165,24 +168,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _check_output(path: str, what: str, *, folder: bool = False, args: argparse.Namespace | None = None) -> Path:
     """Fail before any work when `path` cannot be written or is one of `args`' input files (an
     InputError, exit 2; outputs.py)."""
-    from .outputs import check_output_file, check_parent
+    if not folder:  # a regular file or nothing: never a device, fifo, socket, an input or a hard link
+        return command_output(path, what, args)
+    from .applied import check_output_folder
+    from .outputs import check_parent
 
     p = Path(path)
-    if not folder:  # a regular file or nothing: never a device, fifo, socket, an input or a hard link
-        return check_output_file(p, what, _input_paths(args) if args is not None else ())
-    from .applied import check_output_folder
-
     check_parent(p, what)
     check_output_folder(p)
     return p
-
-
-def _input_paths(args: argparse.Namespace) -> tuple[str, ...]:
-    """The files a command reads: its model (a file.py:factory spec's file too), inputs, plan and bench."""
-    model = getattr(args, "model", None)
-    paths = [model, model.rpartition(":")[0] if model and ":" in model else None,
-             getattr(args, "inputs", None), getattr(args, "plan", None), getattr(args, "bench", None)]
-    return tuple(str(p) for p in paths if p)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -190,37 +184,6 @@ def _write_atomic(path: Path, text: str) -> None:
     from ..plan_schema import write_file
 
     write_file(path, text)
-
-
-def _model_and_inputs(args: argparse.Namespace, recorded: dict[str, Any] | None = None):
-    """(loaded model, inputs, record); a .pt2 model's inputs are checked against its exported shapes."""
-    from ..capture.preflight import check_exported_inputs
-    from .loading import load_model_and_inputs
-
-    loaded, inputs, record = load_model_and_inputs(
-        args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
-        trust_pickle=args.trust_pickle, recorded=recorded,
-    )
-    if loaded.kind == "pt2":
-        check_exported_inputs(loaded.model, inputs, record.get("inputs"))
-    return loaded, inputs, record
-
-
-def _planner(args: argparse.Namespace, loaded, inputs, record: dict[str, Any], bar, feasible_for=None):
-    """Capture and profile once (planner.api.Planner); refuse a model with nothing to plan, and with
-    `feasible_for` (Planner.check_feasible's arguments) a budget no plan meets, before timing the model."""
-    from ..api import Planner
-    from ..capture.preflight import nothing_to_plan
-
-    with bar_stage(bar, "capturing and profiling"), inputs_named(loaded, inputs, record):
-        planner = Planner(
-            loaded.model, inputs, device=args.device if args.device == "meta" else None, optimizer=args.optimizer,
-            check_step=getattr(args, "check_step", True), feasible_for=feasible_for,
-        )
-    empty = nothing_to_plan(loaded.model, planner.capture.graph_module, planner.cost.total_saved_bytes)
-    if empty is not None:
-        raise empty
-    return planner
 
 
 def _budget_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -378,54 +341,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
 # -- bench ----------------------------------------------------------------------------------
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Optimize + verify with each solver side by side; table or JSON."""
-    from ..errors import InputError
-    from ..solvers.registry import SOLVERS
-    from . import bench as rep
-
-    if args.device == "meta":
-        raise InputError("device: bench runs the model; use --device cpu or cuda")
-    names = [s.strip() for s in args.solvers.split(",") if s.strip()]
-    if not names:
-        raise InputError("--solvers: the list is empty; give comma-separated solver names")
-    skipped = [n for n in names if n not in SOLVERS]
-    names = [n for n in names if n in SOLVERS]
-    if not names:
-        raise InputError(f"--solvers: none of {args.solvers!r} is registered; choose from {', '.join(sorted(SOLVERS))}")
-    for n in skipped:
-        note(args, f"skipping solver {n!r}: not registered (registered: {', '.join(sorted(SOLVERS))})")
-    target = _check_output(args.output, "output", args=args) if args.output else None
-    loaded, inputs, record = _model_and_inputs(args)
-    with progress_bar(args, 1 + len(names), "bench") as bar:
-        planner = _planner(args, loaded, inputs, record, bar)
-        bar.set_description_str("solving, verifying, timing")
-        result = rep.bench(planner, inputs, names, _budget_kwargs(args), tick=lambda name: _tick(bar, name))
-    result.update(device=args.device, source=record, skipped=skipped)
-    if not any(r["status"] == "ok" for r in result["rows"]):
-        reasons = "; ".join(f"{r['solver']}: {r.get('error') or r['status']}" for r in result["rows"])
-        err(f"no solver produced a plan ({reasons}); no bench file written")
-        return EXIT_FAIL
-    if target is not None:
-        _write_atomic(target, json.dumps(result, indent=2))
-    if args.json:
-        rows = [{k: v for k, v in r.items() if k != "timeline"} for r in result["rows"]]
-        out(args, json.dumps({**result, "rows": rows}, indent=2))
-    else:
-        say(args, rep.bench_table(result) + (f"\nbench written to {target}" if target else ""))
-    bad = [r["solver"] for r in result["rows"]
-           if r["status"] == "ok" and not (r["exact"] and (r["within_budget"] or r["solver"] == "none"))]
-    if bad:
-        err(f"verification failed for solver(s) {', '.join(bad)} (inexact or over the budget)")
-        return EXIT_FAIL
-    return EXIT_OK
-
-
-def _tick(bar, name: str) -> None:
-    bar.set_description_str(f"solver {name}")
-    bar.update(1)
-
-
 # -- report ---------------------------------------------------------------------------------
 
 
@@ -481,7 +396,7 @@ def _report_curves(args: argparse.Namespace, plan) -> str | None:
     args.optimizer = optimizer if optimizer in ("adamw", "adam", "sgd", "sgd-momentum") else "none"
     loaded, inputs, record = _model_and_inputs(args, recorded)
     with progress_bar(args, 2, "report") as bar:
-        planner = _planner(args, loaded, inputs, record, bar)
+        planner = planner_for(args, loaded, inputs, record, bar)
         if plan.fingerprint and fingerprint_of(planner.capture) != plan.fingerprint:
             raise PlanMismatchError(f"model {args.model!r} is not the graph the plan file {args.plan!r} was made for; "
                                     "give the model and inputs it was planned with")
@@ -492,27 +407,6 @@ def _report_curves(args: argparse.Namespace, plan) -> str | None:
 
 
 # -- export ---------------------------------------------------------------------------------
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """Save MODEL as a .pt2 that returns plain tensors, with its inputs as the default ones (export.py)."""
-    from ..errors import InputError
-    from .export import export_program, save_program
-
-    if args.device == "meta":
-        raise InputError("device: a .pt2 holds the model's weights, which the meta device has none of; use cpu or cuda")
-    target = _check_output(args.output, "output", args=args)
-    loaded, inputs, record = _model_and_inputs(args)
-    program, returns = export_program(loaded.model, inputs, returns=args.returns)
-    save_program(program, target)
-    shown = record.get("inputs") or record.get("inputs_file") or record.get("inputs_source")
-    if args.json:
-        out(args, json.dumps({"output": str(target), "returns": returns, "inputs": shown}))
-    what = "every tensor of the output" if returns == "tensors" else f"the {returns}"
-    inputs_text = " ".join(shown) if isinstance(shown, list) else shown
-    say(args, f"wrote {target}: returns {what}; its inputs, the default ones: {inputs_text}\n"
-               f"plan it:  ckpt-planner plan {target} --activation-budget 0.75 -o plan.json")
-    return EXIT_OK
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -12,8 +12,10 @@ the model's parameters, buffers and submodules, so the program's names are the m
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
+import json
 import os
 import stat
 import tempfile
@@ -28,8 +30,10 @@ from ..capture.pt2.archive import quiet_torch_export
 from ..errors import InputError, OutputError
 from ..model_state import ModelState
 from ..plan_schema import not_a_file
+from .cli_args import EXIT_OK
+from .outputs import command_output, out, say
 
-__all__ = ["RETURNS", "export_for_cli", "export_program", "save_program"]
+__all__ = ["RETURNS", "export_for_cli", "export_program", "save_program", "cmd_export"]
 
 RETURNS = ("auto", "loss", "logits", "tensors")
 """What the exported program returns: the loss, the logits, or every tensor of the output (a flat tuple);
@@ -203,3 +207,23 @@ def export_for_cli(model: torch.nn.Module, example_inputs: Any, path: str | os.P
     program, _ = export_program(model, example_inputs, returns=returns, train=train)
     save_program(program, path)
     return program
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Save MODEL as a .pt2 that returns plain tensors, with its inputs as the default ones (export.py)."""
+    from .loading import model_and_inputs
+
+    if args.device == "meta":
+        raise InputError("device: a .pt2 holds the model's weights, which the meta device has none of; use cpu or cuda")
+    target = command_output(args.output, "output", args)
+    loaded, inputs, record = model_and_inputs(args)
+    program, returns = export_program(loaded.model, inputs, returns=args.returns)
+    save_program(program, target)
+    shown = record.get("inputs") or record.get("inputs_file") or record.get("inputs_source")
+    if args.json:
+        out(args, json.dumps({"output": str(target), "returns": returns, "inputs": shown}))
+    what = "every tensor of the output" if returns == "tensors" else f"the {returns}"
+    inputs_text = " ".join(shown) if isinstance(shown, list) else shown
+    say(args, f"wrote {target}: returns {what}; its inputs, the default ones: {inputs_text}\n"
+               f"plan it:  ckpt-planner plan {target} --activation-budget 0.75 -o plan.json")
+    return EXIT_OK

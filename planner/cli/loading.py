@@ -55,6 +55,7 @@ __all__ = [
     "load_model",
     "load_model_and_inputs",
     "inputs_named",
+    "model_and_inputs",
     "model_kind",
     "write_applied",
     "load_applied",
@@ -321,3 +322,17 @@ def inputs_named(loaded: LoadedModel, inputs: Any, record: dict[str, Any]) -> It
         if better is None:
             raise
         raise better from None
+
+
+def model_and_inputs(args: Any, recorded: dict[str, Any] | None = None) -> tuple[LoadedModel, Any, dict[str, Any]]:
+    """(loaded model, inputs, record) from a command's MODEL and input options; a .pt2 model's inputs are
+    checked against its exported shapes."""
+    from ..capture.preflight import check_exported_inputs
+
+    loaded, inputs, record = load_model_and_inputs(
+        args.model, input_specs=args.input or (), inputs_file=args.inputs, seed=args.seed, device=args.device,
+        trust_pickle=args.trust_pickle, recorded=recorded,
+    )
+    if loaded.kind == "pt2":
+        check_exported_inputs(loaded.model, inputs, record.get("inputs"))
+    return loaded, inputs, record

@@ -41,7 +41,7 @@ from ..errors import OutputError
 from ..plan_schema import not_a_file, write_file
 
 __all__ = ["OutputError", "check_output_file", "write_file", "digests", "foreign_files", "remove_written",
-           "printable", "out", "err", "say", "note", "progress_bar", "bar_stage", "one_line", "one_line_warnings",
+           "printable", "command_output", "out", "err", "say", "note", "progress_bar", "bar_stage", "one_line", "one_line_warnings",
            "no_logs"]
 
 # C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI), the bidi marks, embeddings,
@@ -82,6 +82,15 @@ def check_output_file(path: str | os.PathLike, what: str, inputs: tuple[str | os
             "and leave the others with the old content: remove the other links or name another file"
         )
     return p
+
+
+def command_output(path: str, what: str, args: Any) -> Path:
+    """A command's `-o` file, refused before any work when it cannot be written or is one of the files the
+    command reads (its model, a file.py:factory spec's file, inputs, plan, bench)."""
+    model = getattr(args, "model", None)
+    paths = [model, model.rpartition(":")[0] if model and ":" in model else None,
+             getattr(args, "inputs", None), getattr(args, "plan", None), getattr(args, "bench", None)]
+    return check_output_file(Path(path), what, tuple(str(p) for p in paths if p))
 
 
 def check_not_an_input(p: Path, what: str, inputs: tuple[str | os.PathLike, ...]) -> None:
