@@ -39,16 +39,10 @@ from typing import Any
 import torch
 
 from ..capture.shapes import InputShapes, input_shapes
+from ..choose.regions import ModuleCandidate, best_module_plan, module_candidates
 from ..errors import InputError
 from ..lower.apply import checkpoint_modules, remove_checkpointing
-from ..lower.inplace import (
-    ModuleCandidate,
-    best_module_plan,
-    executed_regions,
-    module_candidates,
-    restore_forward,
-    run_in_place,
-)
+from ..lower.inplace import executed_regions, restore_forward, run_in_place
 from ..lower.rewrite import CheckpointedModule
 from ..profile.memory import LiveMemory
 from ..solvers.registry import InfeasibleBudgetError

@@ -209,7 +209,7 @@ def test_collator_max_length_is_found() -> None:
 
 
 def test_whole_module_candidates_are_simulated_and_the_best_fitting_kept(hf_runs) -> None:
-    from ckpt_planner.lower.inplace import best_module_plan, module_candidates
+    from ckpt_planner.choose.regions import best_module_plan, module_candidates
 
     callback = hf_runs["callback"]
     plan = callback.plan
