@@ -163,7 +163,8 @@ class CompileConfig:
         if self.lowering not in LOWERINGS:
             raise InputError(f"lowering: {self.lowering!r} is not one of {', '.join(LOWERINGS)}")
         if self.lowering != "best" and not self.enabled:
-            raise InputError(f"lowering: {self.lowering!r} applies to compiled plans only; pass compile=True or drop lowering")
+            raise InputError(f"lowering: {self.lowering!r} applies to compiled plans only; pass compile=True (--compile) "
+                             "or drop lowering")
 
 
 def _number(v: Any) -> bool:
