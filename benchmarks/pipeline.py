@@ -5,12 +5,18 @@ blocks, the last with the LM head. For each stage count, microbatch count and pe
 `plan_pipeline` plans every stage for the microbatches it holds in flight under Schedule1F1B, and the
 predicted pipeline step (the schedule's own action order replayed with each stage's forward, backward
 and recompute times, FLOP-based: deterministic) is set against per-layer checkpointing on every stage,
-the policy torchtitan applies. Budgets are placed between the two policies' peaks on the first stage
-(per-layer checkpointing's and no checkpointing's): there per-layer checkpointing fits and throws room
-away. Times are predictions from FLOPs, not measurements: this CPU's clock is too noisy to compare
-steps of a few milliseconds.
+the policy torchtitan applies, and against the bound no plan beats at that budget (stage 0 at the least
+recompute found for it, every other stage at none). Budgets are placed between the two policies' peaks
+on the first stage (per-layer checkpointing's and no checkpointing's): there per-layer checkpointing
+fits and throws room away.
 
-    python -m benchmarks.pipeline                     # 4 and 8 stages, 8, 16 and 32 microbatches
+Then one configuration (4 stages, 8 microbatches, a wider model) runs as 4 gloo processes, one torch
+thread each: the planned stages and per-layer checkpointing side by side, their measured step times'
+ratio and each rank's measured peak against its prediction and the budget. This CPU's clock is noisy,
+and 4 processes on fewer cores share them: the ratio is of CPU-bound processes, not of a device per stage.
+
+    python -m benchmarks.pipeline                     # 4 and 8 stages, 8, 16 and 32 microbatches, gloo run
+    python -m benchmarks.pipeline --no-gloo           # the predicted table only
 
 Writes benchmarks/results/pipeline.json and pipeline.md.
 """
@@ -93,58 +99,245 @@ def stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target, reduction="sum")
 
 
-def run(stage_counts=(4, 8), microbatch_counts=(8, 16, 32), fractions=(0.25, 0.5, 0.75)) -> list[dict]:
+SOLVER = "dp"  # the stage search's probes: greedy left stage 0 recomputing 0.031 ms where dp finds 0.026
+
+
+def _plan(stages, micro, target, n, budget, solver=SOLVER, measured_times=False, **keywords):
+    """`plan_pipeline` on Schedule1F1B with per-layer checkpointing's figures beside. Times from FLOPs and bytes
+    moved (deterministic) unless `measured_times`: then each op timed on this CPU (one thread), as a user's
+    planner would, for a run whose steps are measured."""
     from ckpt_planner import ProfileConfig
     from ckpt_planner.pipeline import plan_pipeline
-    from ckpt_planner.pipeline.stage import stage_figures
     from torch.distributed.pipelining import Schedule1F1B
 
-    fast = ProfileConfig(warmup=0, repeats=1, flop_times=True)
+    config = (ProfileConfig(timing_store=False) if measured_times else
+              ProfileConfig(warmup=0, repeats=1, flop_times=True))
+    return plan_pipeline(stages, (micro,), schedule=Schedule1F1B, n_microbatches=n, budget_bytes=budget,
+                         loss_fn=stage_loss, target=target, per_layer="blocks", profile_config=config,
+                         check_step=False, solver=solver, **keywords)
+
+
+def policy_peaks(stages, micro, target, n) -> tuple[list[int], list[int]]:
+    """Each stage's peak with no checkpointing and with per-layer checkpointing (bytes): neither depends on
+    the budget, so one plan at an unbounded budget reads both."""
+    from ckpt_planner.pipeline.stage import stage_figures
+
+    probe = _plan(stages, micro, target, n, 1 << 40, solver="greedy")
+    return ([stage_figures(sp.plan.problem, sp.spec).peak_bytes for sp in probe.stages],
+            [sp.per_layer.peak_bytes for sp in probe.stages])
+
+
+def budget_at(none: list[int], layer: list[int], fraction: float) -> int:
+    """`fraction` of the way from stage 0's per-layer peak to its no-checkpointing peak, and at least every
+    stage's per-layer peak: there per-layer checkpointing fits and throws room away."""
+    return int(max(max(layer), layer[0] + fraction * (none[0] - layer[0])))
+
+
+def bound_step_s(pp, n: int) -> float:
+    """The step no plan at this budget beats, given stage 0's plan: every other stage at zero recompute and
+    stage 0 at the least recompute the stage search found for it (seconds)."""
+    from ckpt_planner.pipeline import pipeline_step_s
+    from torch.distributed.pipelining import Schedule1F1B
+
+    backward = [sp.backward_s - (sp.figures.recompute_s if s else 0.0) for s, sp in enumerate(pp.stages)]
+    return pipeline_step_s(Schedule1F1B, n, [sp.forward_s for sp in pp.stages], backward)
+
+
+def run(stage_counts=(4, 8), microbatch_counts=(8, 16, 32), fractions=(0.25, 0.5, 0.75)) -> list[dict]:
     rows = []
     for p in stage_counts:
         for n in microbatch_counts:
             stages, batch, target = llama_stages(p, batch=n * 2)
             micro = batch[:2]
-            # the two policies' peaks on stage 0 (which holds the most): per-layer and no checkpointing
-            probe = plan_pipeline(stages[:1] + stages[1:], (micro,), schedule=Schedule1F1B, n_microbatches=n,
-                                  budget_bytes=1 << 40, loss_fn=stage_loss, target=target[:2],
-                                  per_layer="blocks", profile_config=fast, check_step=False, solver="greedy")
-            first = probe.stages[0]
-            none = stage_figures(first.plan.problem, first.spec).peak_bytes
-            layer = first.per_layer.peak_bytes
-            layer_worst = max(sp.per_layer.peak_bytes for sp in probe.stages)
+            none, layer = policy_peaks(stages, micro, target[:2], n)
             for f in fractions:
-                budget = int(max(layer_worst, layer + f * (none - layer)))
+                budget = budget_at(none, layer, f)
                 t0 = time.perf_counter()
-                pp = plan_pipeline(stages, (micro,), schedule=Schedule1F1B, n_microbatches=n, budget_bytes=budget,
-                                   loss_fn=stage_loss, target=target[:2], per_layer="blocks",
-                                   profile_config=fast, check_step=False, solver="greedy")
+                pp = _plan(stages, micro, target[:2], n, budget)
+                bound = bound_step_s(pp, n)
                 rows.append({
                     "stages": p, "microbatches": n, "budget_bytes": budget, "fraction": f,
-                    "per_layer_peak_stage0": layer, "no_checkpoint_peak_stage0": none,
+                    "per_layer_peak_stage0": layer[0], "no_checkpoint_peak_stage0": none[0],
+                    "no_checkpoint_peaks": none,
+                    "forced": [int(x > budget) for x in none],
                     "planned_peaks": [sp.figures.peak_bytes for sp in pp.stages],
                     "planned_recompute_ms": [round(sp.figures.recompute_s * 1e3, 4) for sp in pp.stages],
                     "per_layer_peaks": [sp.per_layer.peak_bytes for sp in pp.stages],
                     "per_layer_recompute_ms": [round(sp.per_layer.recompute_s * 1e3, 4) for sp in pp.stages],
+                    "forward_ms": round(pp.stages[0].forward_s * 1e3, 4),
                     "step_ms": round(pp.step_s * 1e3, 4), "per_layer_step_ms": round(pp.per_layer_step_s * 1e3, 4),
-                    "speedup": round(pp.per_layer_step_s / pp.step_s, 3), "plan_s": round(time.perf_counter() - t0, 1),
+                    "bound_step_ms": round(bound * 1e3, 4),
+                    "speedup": round(pp.per_layer_step_s / pp.step_s, 3),
+                    "bound_speedup": round(pp.per_layer_step_s / bound, 3),
+                    "plan_s": round(time.perf_counter() - t0, 1),
                 })
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
+class PerLayer(nn.Module):
+    """One layer under activation checkpointing (`torch.utils.checkpoint`, non-reentrant): torchtitan's
+    per-layer AC, the baseline every stage runs."""
 
-def markdown(rows: list[dict]) -> str:
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+GLOO_SHAPE = {"d": 256, "heads": 4, "hidden": 688, "seq": 128, "vocab": 512}
+"""The measured run's model: wide enough that a stage's compute, not the processes' messages, fills the step."""
+
+
+def _gloo_worker(rank: int, world: int, n: int, budget: int, repeats: int, init: str, out: str) -> None:
+    import statistics
+
+    import torch.distributed as dist
+    from ckpt_planner.pipeline.stage import stage_figures
+    from ckpt_planner.profile.memory import LiveMemory
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    stages, batch, target = llama_stages(world, batch=2 * n, **GLOO_SHAPE)
+    baseline = llama_stages(world, batch=2 * n, **GLOO_SHAPE)[0]  # the same weights, per-layer checkpointed
+    baseline[rank].blocks = nn.ModuleList(PerLayer(b) for b in baseline[rank].blocks)
+    # Timed on this CPU: FLOP-based times price the elementwise ops a selective plan recomputes (softmax,
+    # SiLU, norms) at their bytes moved, well under what one thread takes over them.
+    pp = _plan(stages, batch[:2], target[:2], n, budget, measured_times=True)
+    modules = {"planned": pp.stages[rank].module, "per_layer": baseline[rank]}
+    schedules = {k: Schedule1F1B(PipelineStage(m, rank, world, torch.device("cpu")), n, loss_fn=stage_loss)
+                 for k, m in modules.items()}
+
+    def step(kind: str) -> None:
+        for q in modules[kind].parameters():
+            q.grad = None
+        if rank == 0:
+            schedules[kind].step(batch)
+        elif rank == world - 1:
+            schedules[kind].step(target=target, losses=[])
+        else:
+            schedules[kind].step()
+
+    peaks = {}
+    for kind in schedules:  # each policy's peak on the live-tensor meter, from a step with no gradients yet
+        meter = LiveMemory()
+        meter.track(*modules[kind].parameters(), *([batch] if rank == 0 else []),
+                    *([target] if rank == world - 1 else []))
+        with meter:
+            step(kind)
+        peaks[kind] = meter.peak
+    times: dict[str, list[float]] = {k: [] for k in schedules}
+    for i in range(repeats + 1):  # alternated, so that a slow spell of the clock falls on both; the first warms up
+        for kind in (("planned", "per_layer") if i % 2 else ("per_layer", "planned")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(kind)
+            dist.barrier()
+            if i:
+                times[kind].append(time.perf_counter() - t0)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, peaks)
+    if rank == 0:
+        median = {k: statistics.median(v) for k, v in times.items()}
+        result = {
+            "stages": world, "microbatches": n, "budget_bytes": budget, "shape": GLOO_SHAPE, "repeats": repeats,
+            "threads_per_process": 1, "cores": os.cpu_count(), "times": "measured",
+            "step_s": {k: [round(t, 4) for t in v] for k, v in times.items()},
+            "median_step_s": {k: round(v, 4) for k, v in median.items()},
+            "measured_ratio": round(median["per_layer"] / median["planned"], 3),
+            "predicted_ratio": round(pp.per_layer_step_s / pp.step_s, 3),
+            "measured_peaks": [g["planned"] for g in gathered],
+            "predicted_peaks": [sp.figures.peak_bytes for sp in pp.stages],
+            "measured_per_layer_peaks": [g["per_layer"] for g in gathered],
+            "predicted_per_layer_peaks": [sp.per_layer.peak_bytes for sp in pp.stages],
+            "no_checkpoint_peaks": [stage_figures(sp.plan.problem, sp.spec).peak_bytes for sp in pp.stages],
+            "planned_recompute_ms": [round(sp.figures.recompute_s * 1e3, 3) for sp in pp.stages],
+        }
+        Path(out, "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(world: int = 4, n: int = 8, fraction: float = 0.5, repeats: int = 5) -> dict:
+    """The planned stages and per-layer checkpointing on every stage, run side by side under gloo (`world`
+    processes, one torch thread each): their measured step times' ratio, each rank's measured peak."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    stages, batch, target = llama_stages(world, batch=2 * n, **GLOO_SHAPE)
+    none, layer = policy_peaks(stages, batch[:2], target[:2], n)
+    budget = budget_at(none, layer, fraction)
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_gloo_worker, args=(world, n, budget, repeats, f"file://{d}/rdv", d), nprocs=world,
+                           start_method="spawn")
+        result = json.loads(Path(d, "result.json").read_text())
+    result["fraction"] = fraction
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def markdown(rows: list[dict], gloo: dict | None = None) -> str:
     lines = ["# Pipeline stages planned for their schedule (Schedule1F1B) vs per-layer checkpointing", "",
              "Predicted from FLOPs (deterministic); `python -m benchmarks.pipeline`. Budget per GPU, between stage 0's",
-             "per-layer and no-checkpointing peaks (`fraction` of the way). Stage figures are listed stage 0 first.", "",
-             "| stages | microbatches | budget KB | fraction | planned step ms | per-layer step ms | speedup | "
-             "planned recompute ms per stage | planned peak KB per stage |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "per-layer and no-checkpointing peaks (`fraction` of the way). Stage figures are listed stage 0 first.",
+             f"Stages planned by the stage search with solver `{SOLVER}`. Per-layer checkpointing recomputes each",
+             "stage's whole forward (forward and per-layer recompute ms below, stage 0): a third of its forward and",
+             "backward, as in a real model under per-layer checkpointing.", "",
+             "`bound`: the step no plan beats at this budget given stage 0's plan (stage 0 holds `p` microbatches",
+             "and recomputes the least the stage search found for it: a search over plans, not a proof that none",
+             "recomputes less), every other stage at zero recompute. Where `speedup` equals `bound`, no plan gains",
+             "more there. `forced`: 1 for each stage whose no-checkpointing peak is over the budget, so that it",
+             "recomputes whatever the plan; the planned step falls short of the bound only by the forced stages",
+             "after the first.", "",
+             "| stages | microbatches | budget KB | fraction | forward ms | per-layer recompute ms | planned step ms | "
+             "per-layer step ms | speedup | bound step ms | bound | forced | planned recompute ms per stage | "
+             "planned peak KB per stage |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['stages']} | {r['microbatches']} | {r['budget_bytes'] / 1e3:.0f} | {r['fraction']} | "
+                     f"{r['forward_ms']:.3f} | {r['per_layer_recompute_ms'][0]:.3f} | "
                      f"{r['step_ms']:.3f} | {r['per_layer_step_ms']:.3f} | {r['speedup']:.2f}x | "
+                     f"{r['bound_step_ms']:.3f} | {r['bound_speedup']:.2f}x | "
+                     f"{''.join(str(x) for x in r['forced'])} | "
                      f"{', '.join(f'{x:.3f}' for x in r['planned_recompute_ms'])} | "
                      f"{', '.join(f'{x / 1e3:.0f}' for x in r['planned_peaks'])} |")
+    reached = sum(r["speedup"] >= 1.15 for r in rows)
+    capped = sum(r["bound_speedup"] < 1.15 for r in rows)
+    lines += ["", f"{reached} of {len(rows)} cells reach 1.15x; in {capped} the bound itself is under 1.15x: "
+              "no plan reaches 1.15x there."]
+    short = [r for r in rows if r["speedup"] < 1.15 <= r["bound_speedup"]]
+    if short:
+        lines.append("Under 1.15x with the bound over it: " + "; ".join(
+            f"{r['stages']} stages, {r['microbatches']} microbatches, fraction {r['fraction']} "
+            f"({sum(r['forced'][1:])} stages after the first forced to recompute)" for r in short) + ".")
+    if gloo:
+        g = gloo
+        lines += ["", "## Measured under gloo", "",
+                  f"`python -m benchmarks.pipeline` also runs {g['stages']} stages, {g['microbatches']} microbatches "
+                  f"(Llama-shaped, {g['shape']}) as {g['stages']} gloo processes, one torch thread each, on a "
+                  f"{g['cores']}-core CPU: the planned stages and per-layer checkpointing side by side, "
+                  f"{g['repeats']} steps each, alternated. This CPU's clock is noisy, and with more processes than "
+                  "cores the ratio is that of CPU-bound processes sharing cores (a rank waiting on its neighbour "
+                  "gives its core away), not that of a pipeline with a device per stage. The plans here are made "
+                  "from each op's time measured on this CPU (one thread), not from FLOPs: FLOP-based times price the "
+                  "elementwise ops a selective plan recomputes (softmax, SiLU, norms) at their bytes moved, well "
+                  "under what one thread takes over them. `predicted`: the step the planner predicts from those "
+                  "times.", "",
+                  f"- budget {g['budget_bytes'] / 1e6:.2f} MB per rank ({g['fraction']} of the way on stage 0)",
+                  f"- median step: planned {g['median_step_s']['planned']:.3f} s, per-layer "
+                  f"{g['median_step_s']['per_layer']:.3f} s: measured {g['measured_ratio']:.2f}x, predicted "
+                  f"{g['predicted_ratio']:.2f}x",
+                  f"- steps (s): planned {g['step_s']['planned']}, per-layer {g['step_s']['per_layer']}", "",
+                  "| rank | measured peak MB | predicted MB | error | budget MB | per-layer measured MB | "
+                  "per-layer predicted MB | planned recompute ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r, (m, pr) in enumerate(zip(g["measured_peaks"], g["predicted_peaks"], strict=True)):
+            lines.append(f"| {r} | {m / 1e6:.3f} | {pr / 1e6:.3f} | {(m - pr) / pr * 100:+.2f} % | "
+                         f"{g['budget_bytes'] / 1e6:.3f} | {g['measured_per_layer_peaks'][r] / 1e6:.3f} | "
+                         f"{g['predicted_per_layer_peaks'][r] / 1e6:.3f} | {g['planned_recompute_ms'][r]:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,12 +345,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--no-gloo", action="store_true", help="leave out the measured gloo run")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     rows = run(args.stages, args.microbatches)
-    meta = {"torch": torch.__version__, "machine": platform.machine(), "time_source": "flops"}
-    write_files(args.out, {"pipeline.json": json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n",
-                           "pipeline.md": markdown(rows)})
+    gloo = None if args.no_gloo else measure()
+    meta = {"torch": torch.__version__, "machine": platform.machine(), "time_source": "flops", "solver": SOLVER}
+    write_files(args.out, {"pipeline.json": json.dumps({"meta": meta, "rows": rows, "gloo": gloo}, indent=1) + "\n",
+                           "pipeline.md": markdown(rows, gloo)})
 
 
 if __name__ == "__main__":
