@@ -155,11 +155,12 @@ def per_layer_regions(problem: Problem, prefix: str) -> tuple[tuple[int, int], .
     return tuple(sorted((a, b) for a, b in spans.values()))
 
 
-def layer_subsets(layers: tuple[tuple[int, int], ...], exhaustive_up_to: int = 6) -> list[tuple[tuple[int, int], ...]]:
+def layer_subsets(layers: tuple[tuple[int, int], ...], exhaustive_up_to: int = 4) -> list[tuple[tuple[int, int], ...]]:
     """Per-layer checkpointing on some of the layers only (Megatron's partial checkpointing): what a stage
     holding several microbatches needs, where checkpointing every layer recomputes more than its budget
     asks and a solver's plans, cut for one microbatch's peak, leave too much saved per microbatch. Every
-    non-empty subset up to `exhaustive_up_to` layers, then the first j and the last j layers."""
+    non-empty subset up to `exhaustive_up_to` layers (each is filled by `fill_kept`, one simulation per
+    node it tries), then the first j and the last j layers."""
     n = len(layers)
     if n <= exhaustive_up_to:
         return [tuple(r for i, r in enumerate(layers) if mask >> i & 1) for mask in range(1, 1 << n)]
