@@ -1,6 +1,6 @@
 """The offload terms of `ilp`'s flat-plan MILP: a third state per kept storage, offloaded (solver `ilp_offload`).
 
-`OffloadTerms` adds to `ilp._solve_milp`'s model, per candidate storage t (one the forward may keep:
+`OffloadTerms` adds to `milp_model._solve_milp`'s model, per candidate storage t (one the forward may keep:
 not an output, with bytes, saved by a node or read by one that may start a region):
 
 * o_t, binary: t is offloaded; o_t <= t is kept at all, and the offloaded bytes fit `host_budget_bytes`
