@@ -21,8 +21,11 @@ Two corrections, each made between two training steps and never past the budget:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..lower.apply import remove_checkpointing
@@ -31,7 +34,7 @@ from .calibrate import BUDGET_KEYS, THRESHOLD, measure_peak, preserved, replan_w
 from .logs import _log, through_bars
 from .loop import HELD, loop_prediction
 
-__all__ = ["fit_loop", "note_measured", "replan_measured"]
+__all__ = ["first_plan", "fit_loop", "note_measured", "replan_measured"]
 
 
 def _mb(nbytes: float) -> str:
@@ -54,9 +57,24 @@ def _reusable(kwargs: dict[str, Any]) -> bool:
             and not ({"progress", "exact_check"} & set(kwargs)))
 
 
-def plan_captured(planner: Any, **budget: Any) -> Any:
+@contextlib.contextmanager
+def _solved_only(kept: Any) -> Iterator[None]:
+    """A kept Planner's plans solved and lowered, not checked against the model's step, for now: a plan made
+    only to size the loop's difference, which the plan that runs is checked for itself."""
+    profiled = kept.profiled
+    setup = profiled.setup
+    profiled.setup = dataclasses.replace(setup, exactness=dataclasses.replace(setup.exactness, check_step=False))
+    try:
+        yield
+    finally:
+        profiled.setup = setup
+
+
+def plan_captured(planner: Any, *, probe: bool = False, **budget: Any) -> Any:
     """The captured step at the planned shape planned for `budget` (optimize()'s budget keywords), the other
-    keywords as given. Where they allow it, one Planner captures and profiles once for every budget."""
+    keywords as given. Where they allow it, one Planner captures and profiles once for every budget.
+    `probe`: with such a Planner, the solver's plan alone (neither checked nor raced), `.probe` set on it; a
+    plan that only sizes the loop's step costs no model step. Without one, the plan as optimize() makes it."""
     from ..api import Planner, optimize
     from ..errors import CaptureError
     kwargs = {k: v for k, v in planner.optimize_kwargs.items() if k not in BUDGET_KEYS}
@@ -70,6 +88,12 @@ def plan_captured(planner: Any, **budget: Any) -> Any:
                     planner._planner = Planner(planner._root, planner._planning_inputs, feasible_for=request, **setup)
                 except CaptureError:
                     planner._planner = False  # optimize() plans it in parts
+            if planner._planner and probe:
+                request = {k: v for k, v in kwargs.items() if k in REQUEST_KEYS and k != "autotune"}
+                with _solved_only(planner._planner):
+                    plan = planner._planner.plan(**request, **budget, autotune=False)
+                plan.probe = True
+                return plan
             if planner._planner:
                 return planner._planner.plan(**{k: v for k, v in kwargs.items() if k in REQUEST_KEYS}, **budget)
             return optimize(planner._root, planner._planning_inputs, **kwargs, **budget)
@@ -83,6 +107,27 @@ def _make_plan(planner: Any, budget: int) -> Any:
 
 def _predict(planner: Any) -> Any:
     return lambda plan: loop_prediction(plan, None, planner.loop)[0]
+
+
+def first_plan(planner: Any, budget: dict[str, Any]) -> tuple[Any, str]:
+    """The plan the loop runs, made on the first batch for `budget` (optimize()'s budget keywords).
+
+    For a loop that runs the captured step (HELD) it is optimize()'s plan. Else the solver's plan alone
+    (`probe`) sizes the loop's difference, and `fit_loop` plans again where it is over 3 % of the budget:
+    the safety net's check and the measured race then run once, for the plan that runs, not also for a
+    first plan it replaces (a race held to the planning's time ran twice: 21 model steps each for the
+    Trainer's LoRA Llama in benchmarks/results/finetune.md). Where the probe stands, the plan for the
+    budget is made in full."""
+    if planner.loop == HELD:
+        return fit_loop(planner, plan_captured(planner, **budget))
+    probe = plan_captured(planner, probe=True, **budget)
+    plan, line = fit_loop(planner, probe)
+    if plan is not probe or not getattr(probe, "probe", False):
+        return plan, line
+    full = plan_captured(planner, **budget)  # the same budget, checked and raced
+    if line:
+        full.notes = (*full.notes, line)
+    return full, line
 
 
 def fit_loop(planner: Any, plan: Any) -> tuple[Any, str]:
@@ -137,12 +182,31 @@ def _measure_captured(planner: Any, plan: Any) -> int:
     state = state_tensors(planner._optimizer)
     # the optimizer's state the Problem counts but an optimizer that makes it lazily has not made yet
     missing = max(0, int(getattr(plan.problem, "optimizer_bytes", 0)) - sum(t.nbytes for t in state))
+    raced = raced_peak(plan)
+    if raced is not None:  # the race ran this very step: the same meter, less the optimizer's state
+        return raced + sum(t.nbytes for t in state) + missing
     planner._inside = True  # the measurement is not a training step
     try:
         with preserved(planner._target), through_bars():
             return measure_peak(planner._root, run, (inputs, state)) + missing
     finally:
         planner._inside = False
+
+
+def raced_peak(plan: Any) -> int | None:
+    """The peak the race measured of `plan`'s own step in this planning (bytes: parameters, buffers, inputs
+    and the step's tensors, gradients dropped before it, no optimizer state), or None where it did not."""
+    record = plan.stats.get("autotune") if isinstance(getattr(plan, "stats", None), dict) else None
+    if not isinstance(record, dict) or record.get("from_store"):
+        return None
+    if plan.offloaded_storages():
+        return None
+    own = (sorted(list(r) for r in plan.spans()), sorted(plan.saved_indices()))
+    for c in record.get("candidates", ()):
+        if (c.get("measured_peak_bytes") is not None and not c.get("modules") and not c.get("failed")
+                and (sorted(c.get("regions", ())), sorted(c.get("saved", ()))) == own):
+            return int(c["measured_peak_bytes"])
+    return None
 
 
 def extras_loop(extras: dict[int, tuple[int, int]], planner: Any, reference: Any) -> list[int]:

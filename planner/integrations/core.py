@@ -47,7 +47,7 @@ from ..lower.rewrite import CheckpointedModule
 from ..profile.memory import LiveMemory
 from ..solvers.registry import InfeasibleBudgetError
 from .calibrate import state_tensors as _state_tensors
-from .closed_loop import fit_loop, note_measured, plan_captured, replan_measured
+from .closed_loop import first_plan, note_measured, replan_measured
 from .lengths import find_max_length, grown_to, sequence_length
 from .logs import _log
 from .loop import HELD, LoopStep, loop_prediction
@@ -295,7 +295,7 @@ class FirstBatchPlanner:
         self._root = _by_name(module, list(planning)) if _needs_names(module, planning) else module
         self._planning_inputs = planning
         budget = {k: v for k, v in self.optimize_kwargs.items() if k in ("budget_gb", "budget_bytes", "activation_budget")}
-        self.plan, line = fit_loop(self, plan_captured(self, **budget))
+        self.plan, line = first_plan(self, budget)
         self.planning_s = time.perf_counter() - t0
         if line:
             _log(logging.INFO, "%s", line)

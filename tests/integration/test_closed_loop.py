@@ -223,3 +223,39 @@ def test_the_races_verdict_on_the_budget_reaches_the_callbacks_log(caplog, monke
         _train(_drops_outputs, FirstBatchPlanner(activation_budget=0.75, **PLAN))
     lines = [r.getMessage() for r in caplog.records if said in r.getMessage()]
     assert lines and all(line.startswith("callback: ") and "holds the outputs" in line for line in lines)
+
+
+def test_a_lighter_loops_plan_is_checked_and_raced_once(monkeypatch) -> None:
+    """Planning for a loop that drops the outputs: one capture and profile, one safety-net check and one race
+    (for the plan that runs, not also for a first plan it replaces), and one measured step before it runs
+    (the race already measured the new plan's step on the same meter). Counts calls, not seconds."""
+    import ckpt_planner.api as api
+    import ckpt_planner.choose.choice as choice
+    import ckpt_planner.integrations.closed_loop as closed_loop
+    from ckpt_planner.integrations.loop import LoopStep
+
+    calls = {"capture": 0, "check": 0, "race": 0, "measured": 0}
+
+    def counted(module, name, key):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(api, "capture", "capture")
+    counted(choice, "checked", "check")
+    counted(choice, "autotuned", "race")
+    counted(closed_loop, "measure_peak", "measured")
+    # checked and raced among the solvers and hand-written plans (a solver named races its variants alone)
+    plan = {**PLAN, "autotune": 8, "check_step": True, "solver": "auto"}
+    planner = FirstBatchPlanner(activation_budget=0.75, **plan)
+    planner.loop = LoopStep(outputs_dropped=True)
+    _same_training(_drops_outputs, planner)
+    assert calls == {"capture": 1, "check": 1, "race": 1, "measured": 1}
+    assert "autotune" in planner.plan.stats and any("planned again for the captured step" in n for n in planner.plan.notes)
+    first = planner.measurements[0]
+    assert first.peak_bytes <= planner.plan.budget_bytes
+    assert abs(first.peak_bytes - planner.predicted_peak_bytes) <= 0.02 * first.peak_bytes
