@@ -30,7 +30,7 @@ from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
 from .choose.race.rules import WHOLE_MODULES
-from .distributed import optimizer_state_bytes, plan_collectively, planning_is_collective
+from .distributed import plan_collectively, planning_is_collective
 from .errors import CaptureError, InputError
 from .lower.build import lower_plan
 from .lower.chunk import ChunkSpec, chunk_capture
@@ -208,10 +208,7 @@ def _plan_in_parts(model: Any, example_inputs: Any, setup: Setup, request: PlanR
     if setup.outputs == "loss" and isinstance(model, torch.nn.Module):  # the loss alone, as Planner plans it
         model = loss_outputs(model, example_inputs)
     with ModelState(model).preserved():
-        part = PartialPlanner(
-            model, example_inputs, reason=reason, optimizer_bytes=optimizer_state_bytes(model, setup.optimizer),
-            capture_method=setup.capture_method, profile_config=setup.profile, replan=replan,
-        )
+        part = PartialPlanner(model, example_inputs, setup=setup, reason=reason, replan=replan)
     return part.plan_for(request)
 
 

@@ -50,7 +50,8 @@ from torch.utils import _pytree as pytree
 from ..capture.mutation import compute_nodes
 from ..capture.shapes import ShapeGuard, guard_model, input_shapes
 from ..capture.trace import Capture, capture, normalize_inputs
-from ..errors import CaptureError, ShapeError
+from ..distributed import optimizer_state_bytes
+from ..errors import CaptureError, CheckOutOfMemoryError, InexactPlanError, InputError, PlannerError, ShapeError
 from ..lower.apply import with_replaced
 from ..lower.rewrite import rewrite, safe_regions
 from ..model_state import ModelState
@@ -59,10 +60,11 @@ from ..profile.graph import CostGraph
 from ..profile.memory import autocast_dtypes, fresh_autocast_cache, storage_key
 from ..profile.profiler import ProfileConfig, profile
 from ..profile.record import AutocastCasts
-from ..settings import PlanRequest
+from ..settings import PlanRequest, Setup
 from ..solvers.plans import normalize_regions
 from ..solvers.problem import Cast, Node, Problem, Storage
 from ..solvers.simulate import simulate
+from ..verification import OUT_OF_MEMORY, REFERENCE_OUT_OF_MEMORY, step_differences
 from .base import BasePlanner
 from .budget import ResolvedBudget
 from .choice import held_to_budget
@@ -109,6 +111,12 @@ def _record_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str
         with ModelState(model).preserved(), torch.no_grad():
             model.train()
             model(*args, **kwargs)
+    except PlannerError:
+        raise
+    except Exception as e:  # the model's own code refused the inputs (a shape, a dtype, a missing argument)
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise InputError(f"inputs: {type(model).__name__} raised {type(e).__name__} on the example inputs, run as "
+                         f"given to find its capturable parts ({first[:300]})") from None
     finally:
         for h in handles:
             h.remove()
@@ -316,22 +324,26 @@ class PartialPlanner(BasePlanner):
         model: torch.nn.Module,
         example_inputs: Any = None,
         *,
+        setup: Setup | None = None,
         reason: str = "",
-        optimizer_bytes: int = 0,
-        capture_method: str = "auto",
-        profile_config: ProfileConfig | None = None,
         replan: Callable[[tuple, dict[str, Any], PlanRequest], torch.nn.Module] | None = None,
+        **keywords: Any,
     ) -> None:
+        """`setup`, or `optimize()`'s keywords that make one (capture_method, profile_config, optimizer,
+        check_step, ...), as `Planner` takes them."""
+        setup = setup or Setup.of(**keywords)
+        self.setup = setup
         self.replan = replan
         """`replan(args, kwargs, request)` plans the whole model at a larger call's shape (on_larger_shape='replan')."""
         args, kwargs = normalize_inputs(example_inputs, model)
         self.model_shapes = input_shapes(args, kwargs)
         """The shapes of the call the model was planned for."""
-        found, self.left_out = find_pieces(model, args, kwargs, method=capture_method)
+        self.args, self.kwargs = args, kwargs
+        found, self.left_out = find_pieces(model, args, kwargs, method=setup.capture_method)
         if not found:
             raise CaptureError(f"{reason}; no submodule of {type(model).__name__} could be captured either")
         self.model, self.reason = model, reason
-        config = ProfileConfig.or_default(profile_config)
+        config = ProfileConfig.or_default(setup.profile)
         with ModelState(model).preserved():
             costs = [(path, cap, profile(cap, config)) for path, cap in found]
         paths = [path for path, _, _ in costs]
@@ -341,6 +353,7 @@ class PartialPlanner(BasePlanner):
         state = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
         eager_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in in_pieces)
         self.eager_bytes = eager.saved[0] + eager_grads + eager.edges + eager.casts  # bytes resident for the step
+        optimizer_bytes = optimizer_state_bytes(model, setup.optimizer)
         fixed = sum(t.untyped_storage().nbytes() for t in state) + optimizer_bytes + self.eager_bytes
         fixed += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         self.problem, offsets = _join(costs, fixed, eager.saved)
@@ -364,7 +377,28 @@ class PartialPlanner(BasePlanner):
             def replan(args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
                 return self.replan(args, kwargs, again)
 
-        return self.build(solution, notes, on_larger_shape=request.on_larger_shape, replan=replan)
+        plan = self.build(solution, notes, on_larger_shape=request.on_larger_shape, replan=replan)
+        if self.setup.exactness.check_step and plan.regions:
+            plan.notes = (*plan.notes, *self._checked(plan))
+        return plan
+
+    def _checked(self, plan: Plan) -> tuple[str, ...]:
+        """One step of the plan's module against one of the model (outputs, gradients, buffers), as a whole
+        graph's plan is checked (choose/safety_net.py); a plan that differs is refused: its regions span the
+        pieces' own code, which cannot be narrowed region by region here."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        if any(t.device.type == "meta" for t in tensors):  # nothing runs on fake tensors
+            return ()
+        found = step_differences(self.model, plan.module, self.args, self.kwargs)
+        if found == [OUT_OF_MEMORY] or found == [REFERENCE_OUT_OF_MEMORY]:
+            raise CheckOutOfMemoryError("the step that checks the partially captured plan ran out of device memory; "
+                                        "plan for a budget about 10 % under the device's limit or pass check_step=False")
+        if found is None:
+            return ("not checked against the model's own step: that step raises as given (its backward fails)",)
+        if found:
+            raise InexactPlanError(f"the partially captured plan's training step differs from the model's in "
+                                   f"{', '.join(found[:6])}; pass check_step=False to keep it, or report the model")
+        return ()
 
     def build(
         self,
