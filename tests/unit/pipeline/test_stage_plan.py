@@ -76,3 +76,25 @@ def test_a_stage_keeps_inside_its_checkpointed_layers_what_its_budget_has_room_f
     # the lowered plan keeps what the search kept: its own figures, re-simulated, are the same
     again = stage_figures(problem, spec, planned.plan.spans(), planned.plan.saved_indices())
     assert again.peak_bytes == planned.figures.peak_bytes and again.recompute_s == planned.figures.recompute_s
+
+
+
+def test_a_probes_regions_are_filled_with_what_the_stage_has_room_to_keep(monkeypatch):
+    # no per-layer candidates: the search judges dp's probes and uniform's plans, each cut for one
+    # microbatch's peak; stage 0 holds four microbatches, and the room they leave is filled inside each
+    # probe's regions
+    import ckpt_planner.pipeline.stage as stage
+
+    stages, batch, _ = llama_stages(4, d=16, hidden=32, batch=8, seq=8)
+    kw = dict(schedule=Schedule1F1B, n_microbatches=8, stage=0, n_stages=4, profile_config=FAST, check_step=False,
+              solver="dp")
+    free = plan_stage(stages[0], (batch[:2],), budget_bytes=1 << 30, per_layer="blocks", **kw)
+    budget = (free.per_layer.peak_bytes + free.figures.peak_bytes) // 2
+    planned = plan_stage(stages[0], (batch[:2],), budget_bytes=budget, **kw)
+    monkeypatch.setattr(stage, "fill_kept", lambda *a, **k: None)  # the probes as solved, nothing filled
+    solved = plan_stage(stages[0], (batch[:2],), budget_bytes=budget, **kw)
+    assert planned.figures.peak_bytes <= budget and solved.figures.peak_bytes <= budget
+    assert planned.figures.recompute_s < solved.figures.recompute_s
+    # the lowered plan keeps what the search kept
+    again = stage_figures(planned.plan.problem, planned.spec, planned.plan.spans(), planned.plan.saved_indices())
+    assert again.recompute_s == planned.figures.recompute_s
