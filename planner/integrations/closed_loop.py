@@ -11,7 +11,9 @@ Two corrections, each made between two training steps and never past the budget:
    padded batch as unpadded: a 2-layer Qwen2 step measured 6.79 MB against 5.78 MB predicted, the
    masks and repeated key/value heads of its attentions, now counted). What it measured over the
    captured step's plan beyond the predicted difference is added to its prediction; over the budget,
-   it is planned once more for that much less, else the captured step's plan stays.
+   it is planned once more for that much less, else the captured step's plan stays. The first plan there
+   is the solver's alone (`first_plan`): the safety net's check and the race run for the plan that runs,
+   and the race's measured peak of a plan's step stands for its measurement before it runs.
 2. After the planned shape is measured (`note_measured`, `replan_measured`): where the measured peak parts
    from the prediction by more than 3 % either way, the difference is taken as fixed bytes (it does not
    depend on what is recomputed) and the shape is planned once more for the budget less it; the next
