@@ -24,7 +24,7 @@ from .capture.trace import capture
 from .choose.assemble import plan_record
 from .choose.autotune import steps_for
 from .choose.base import BasePlanner
-from .choose.budget import budget_of
+from .choose.budget import ResolvedBudget, budget_of
 from .choose.choice import choose_solution, judges, planning_clock
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
@@ -159,14 +159,15 @@ class Planner(BasePlanner):
         self.prepared_s = time.perf_counter() - started
         """Seconds the capture and the profile took: part of the planning the default race is held to."""
 
-    def plan_for(self, request: PlanRequest) -> Plan:
-        """Solve one budget, check the plan's step against the model's, race the best plans, lower it."""
+    def plan_for(self, request: PlanRequest, budget: ResolvedBudget | None = None) -> Plan:
+        """Solve one budget, check the plan's step against the model's, race the best plans, lower it.
+        `budget`: the request's budget already resolved for this planner's profile (`budget_of`)."""
         p, clock = self.profiled, planning_clock(self.prepared_s)
         empty = nothing_to_plan(p.model, p.capture.graph_module, p.cost.total_saved_bytes)
         if empty is not None:  # frozen, or no tensor output: no budget could be "infeasible" here
             raise empty
         steps = steps_for(self.autotune if request.autotune is None else request.autotune, p.cost.time_source == "fitted")
-        budget = budget_of(p, request)  # resolved once: every step of choosing reads this record
+        budget = budget or budget_of(p, request)  # resolved once: every step of choosing reads this record
         default_race = request.autotune is None and self.autotune is None  # held to the planning's time
         solution, notes = choose_solution(p, request, budget, steps=steps, planning_s=clock if default_race else None)
         plan = plan_record(p, solution, notes, request, list(budget.notes))

@@ -43,11 +43,11 @@ from torch.utils import _pytree as pytree
 
 from ..capture.shapes import ShapeGuard, input_shapes
 from ..choose.base import BasePlanner
-from ..choose.budget import budget_of
+from ..choose.budget import ResolvedBudget, budget_of
 from ..errors import InputError
 from ..lower.rewrite import rewrite
 from ..plan import Plan
-from ..settings import LOWERINGS, PlanRequest
+from ..settings import LOWERINGS, Budget, PlanRequest
 from ..solvers.registry import InfeasibleBudgetError
 from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
 from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend
@@ -198,20 +198,20 @@ class CompiledPlanner(BasePlanner):
                              f"{first[:300]}); plan it with compile=False") from None
 
     def _plan_for(self, request: PlanRequest) -> Plan:
-        plan_args = request.keywords()  # what the Planner's plan() takes, the budget apart
-        budgets = {k: plan_args.pop(k) for k in ("budget_gb", "budget_bytes", "activation_budget")}
+        # resolved once: the regions side plans with this record, the knapsack side holds its measured peak
+        # to the budget as asked (unclamped)
+        resolved = budget_of(self.planner.profiled, request)
         knapsack_ok = not ({"backend", "mode"} & set(self.compile_options))
         if self.lowering == "regions" or (self.lowering == "best" and not knapsack_ok):
-            return self._plan_regions(**budgets, **plan_args)
-        budget = budget_of(self.planner.profiled, request).asked  # the measured peak is held to it, unclamped
+            return self._plan_regions(request, resolved)
         if self.lowering == "knapsack":
-            return self._plan_knapsack(budget, plan_args)
-        if budget is None:  # no budget: the knee plan; the knapsack's own loosest point has no budget to meet
-            return self._plan_regions(**budgets, **plan_args)
+            return self._plan_knapsack(resolved.asked, request)
+        if resolved.asked is None:  # no budget: the knee plan; the knapsack's own loosest point has no budget to meet
+            return self._plan_regions(request, resolved)
         got: dict[str, Plan] = {}
         errors: dict[str, CompiledBudgetError] = {}
-        for name, make in (("regions", lambda: self._plan_regions(**budgets, **plan_args)),
-                           ("knapsack", lambda: self._plan_knapsack(budget, plan_args))):
+        for name, make in (("regions", lambda: self._plan_regions(request, resolved)),
+                           ("knapsack", lambda: self._plan_knapsack(resolved.asked, request))):
             try:
                 got[name] = make()
             except CompiledBudgetError as e:
@@ -258,15 +258,15 @@ class CompiledPlanner(BasePlanner):
         chosen.notes = tuple(chosen.notes) + (note,)
         return chosen
 
-    def _plan_knapsack(self, budget: int | None, plan_args: dict[str, Any]) -> Plan:
+    def _plan_knapsack(self, budget: int | None, request: PlanRequest) -> Plan:
         """Our knapsack inside the partitioner, its byte target searched until the measured peak fits."""
         fixed = self.planner.problem.fixed_bytes
-        lowering = self._knapsack_lowering(plan_args)
+        lowering = self._knapsack_lowering(request)
         best, log = lowering.fit(budget if budget is not None else 2**62, fixed)
         if best is None:
             least = min(t.measured for t in lowering.tries.values())
             raise CompiledBudgetError(budget, least, "knapsack", fixed + self.extra_bytes, len(log))
-        base = self._base_plan(plan_args)
+        base = self._base_plan(request)
         base.notes = tuple(n for n in base.notes if "no-op plan" not in n)  # the eager plan's, not this one's
         n = len(lowering.candidates or ())
         kept = lowering.choice(best.target_bytes) or frozenset()
@@ -278,11 +278,12 @@ class CompiledPlanner(BasePlanner):
         return self._finish(base, _Tried(best.module, best.measured, best.compile_s), tries, budget,
                             lowering="knapsack", knapsack=info)
 
-    def _base_plan(self, plan_args: dict[str, Any]) -> Plan:
-        """The model's step with no regions (its own fresh module: dynamo caches per code object)."""
+    def _base_plan(self, request: PlanRequest) -> Plan:
+        """The model's step with no regions (its own fresh module: dynamo caches per code object); of the
+        request, only its solver and on_larger_shape apply."""
         planner = self.planner
-        args = {k: v for k, v in plan_args.items() if k in ("on_larger_shape", "solver")}
-        base = planner.plan(budget_bytes=planner.no_checkpoint_peak_bytes, **args)
+        base = planner.plan_for(PlanRequest.of(budget_bytes=planner.no_checkpoint_peak_bytes, solver=request.solve.solver,
+                                               on_larger_shape=request.on_larger_shape))
         if base.regions:
             raise InputError("lowering 'knapsack': the step with no checkpoint regions did not plan empty; "
                              "use lowering='regions'")
@@ -300,14 +301,14 @@ class CompiledPlanner(BasePlanner):
         object.__setattr__(module, "shape_guard", guard)
         return module
 
-    def _knapsack_lowering(self, plan_args: dict[str, Any]) -> KnapsackLowering:
+    def _knapsack_lowering(self, request: PlanRequest) -> KnapsackLowering:
         if self._knapsack is None:
             cap = self.planner.capture
             options = self.compile_options.get("options")
             rest = {k: v for k, v in self.compile_options.items() if k != "options"}
 
             def compile_measure(solver):
-                module = self._base_plan(plan_args).module
+                module = self._base_plan(request).module
                 t0 = time.perf_counter()
                 compiled = compile_plan_module(module, backend=inductor_backend(solver, options), **rest)
                 measured = measure_compiled_step(compiled, self.planner.model, cap.args, cap.kwargs, device=self.device,
@@ -319,16 +320,15 @@ class CompiledPlanner(BasePlanner):
                                               max_tries=self.max_replans + self.max_loosen, slack=self.slack)
         return self._knapsack
 
-    def _plan_regions(self, *, budget_gb: float | None = None, budget_bytes: int | None = None,
-                      activation_budget: float | None = None, **plan_args: Any) -> Plan:
-        """Whole checkpoint regions compiled; re-planned tighter while over the budget, looser well under it."""
+    def _plan_regions(self, request: PlanRequest, resolved: ResolvedBudget) -> Plan:
+        """Whole checkpoint regions compiled; re-planned tighter while over the budget, looser well under it.
+        `resolved`: the request's budget for the planner's profile; each other target is a request in bytes."""
         planner = self.planner
         try:
-            first = planner.plan(budget_gb=budget_gb, budget_bytes=budget_bytes, activation_budget=activation_budget,
-                                 **plan_args)
+            first = planner.plan_for(request, resolved)
         except InfeasibleBudgetError as e:
             # Below the eager floor: the least-memory plan may still fit once inductor has planned its buffers.
-            first = planner.plan(budget_bytes=e.smallest_bytes, **plan_args)
+            first = planner.plan_for(_in_bytes(request, e.smallest_bytes))
             first.budget_bytes = e.budget_bytes
         budget = first.budget_bytes
         if budget is None:  # no budget: the knee plan, compiled and measured, nothing to meet
@@ -343,7 +343,7 @@ class CompiledPlanner(BasePlanner):
             if best is None or tried.measured < best[1].measured:
                 best = (plan, tried)
             if tried.measured <= budget:
-                plan, tried = self._loosen(plan, tried, target, budget, tries, plan_args)
+                plan, tried = self._loosen(plan, tried, target, budget, tries, request)
                 return self._finish(plan, tried, tries, budget)
             if attempt == self.max_replans:
                 break
@@ -353,9 +353,9 @@ class CompiledPlanner(BasePlanner):
             if target <= fixed:
                 break
             try:
-                plan = planner.plan(budget_bytes=target, **plan_args)
+                plan = planner.plan_for(_in_bytes(request, target))
             except InfeasibleBudgetError as e:  # below the eager floor: the least-memory plan, once
-                plan = planner.plan(budget_bytes=e.smallest_bytes, **plan_args)
+                plan = planner.plan_for(_in_bytes(request, e.smallest_bytes))
                 if plan.spans() in tries_spans:
                     break
             if plan.spans() == tries_spans[-1]:
@@ -364,7 +364,7 @@ class CompiledPlanner(BasePlanner):
         raise CompiledBudgetError(budget, best[1].measured, first.solver, fixed + self.extra_bytes, len(tries))
 
     def _loosen(self, plan: Plan, tried: _Tried, target: int, budget: int, tries: list[dict],
-                plan_args: dict[str, Any]) -> tuple[Plan, _Tried]:
+                request: PlanRequest) -> tuple[Plan, _Tried]:
         """The compiled step often needs less than the eager prediction: plan again for the target scaled
         up by the room left, and keep that plan while it still fits and is predicted to recompute less."""
         fixed = self.planner.problem.fixed_bytes
@@ -377,7 +377,7 @@ class CompiledPlanner(BasePlanner):
             if up <= lo:
                 break
             try:
-                other = self.planner.plan(budget_bytes=up, **plan_args)
+                other = self.planner.plan_for(_in_bytes(request, up))
             except InfeasibleBudgetError:
                 break
             if other.spans() == plan.spans() and other.saved_indices() == plan.saved_indices():
@@ -477,6 +477,11 @@ def compile_saved_plan(model: torch.nn.Module, plan: Plan, example_inputs: Any =
     solver = KnapsackSolver(int(info["target_bytes"]), config=config)
     options = compile_options.pop("options", None)
     return compile_plan_module(module, backend=inductor_backend(solver, options), **compile_options)
+
+
+def _in_bytes(request: PlanRequest, nbytes: int) -> PlanRequest:
+    """`request` with its budget `nbytes` bytes (a tighter or looser target; the same safety margin)."""
+    return request.replace(budget=Budget(nbytes=nbytes, safety_margin=request.budget.safety_margin))
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:

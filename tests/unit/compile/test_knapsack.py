@@ -156,7 +156,7 @@ def test_best_keeps_the_faster_lowering_and_records_both(monkeypatch, stand_in_p
     planner = stand_in_planner
     fixed = planner.problem.fixed_bytes
     budget = fixed + 10**6
-    monkeypatch.setattr(CompiledPlanner, "_plan_regions", lambda self, **kw: _fake_plan(planner, budget - 10))
+    monkeypatch.setattr(CompiledPlanner, "_plan_regions", lambda self, request, resolved: _fake_plan(planner, budget - 10))
     monkeypatch.setattr(CompiledPlanner, "_plan_knapsack", lambda self, b, a: _fake_plan(planner, budget - 20))
     # Rounds: knapsack faster in two of three (paired), though its own median is not the lower one.
     monkeypatch.setattr(compiled_mod, "interleaved_step_times",
@@ -182,7 +182,7 @@ def test_best_falls_back_to_the_lowering_that_fits(monkeypatch, stand_in_planner
     def over(self, *a, **k):
         raise CompiledBudgetError(budget, budget + 5, "knapsack", 0, 3)
 
-    monkeypatch.setattr(CompiledPlanner, "_plan_regions", lambda self, **kw: _fake_plan(planner, budget - 10))
+    monkeypatch.setattr(CompiledPlanner, "_plan_regions", lambda self, request, resolved: _fake_plan(planner, budget - 10))
     monkeypatch.setattr(CompiledPlanner, "_plan_knapsack", over)
     plan = CompiledPlanner(planner).plan(budget_bytes=budget)
     assert plan.stats["compiled"]["lowerings"]["knapsack"] == {"fits": False, "least_measured_peak_bytes": budget + 5}
@@ -190,6 +190,36 @@ def test_best_falls_back_to_the_lowering_that_fits(monkeypatch, stand_in_planner
     monkeypatch.setattr(CompiledPlanner, "_plan_regions", over)
     with pytest.raises(CompiledBudgetError):
         CompiledPlanner(planner).plan(budget_bytes=budget)
+
+
+def test_best_resolves_the_budget_once_and_plans_regions_from_the_request(monkeypatch, stand_in_planner):
+    """lowering='best': the request's budget is resolved once (in bytes, margin, clamp) for both lowerings; the
+    regions side plans from that record through the Planner's typed entry, not from rebuilt keywords."""
+    from ckpt_planner import api
+
+    planner = stand_in_planner
+    fixed = planner.problem.fixed_bytes
+    budget = fixed + (planner.no_checkpoint_peak_bytes - fixed) // 2
+    resolved, knapsack = [], _fake_plan(planner, budget - 20)  # the stand-in knapsack plan, made before counting
+
+    def counted(real):
+        def budget_of(p, request):
+            resolved.append(request.budget.nbytes)
+            return real(p, request)
+        return budget_of
+
+    monkeypatch.setattr(api, "budget_of", counted(api.budget_of))
+    monkeypatch.setattr(compiled_mod, "budget_of", counted(compiled_mod.budget_of))
+    # no compile: the plan's eager module stands in, measured at its predicted peak
+    monkeypatch.setattr(CompiledPlanner, "_compiled",
+                        lambda self, plan: compiled_mod._Tried(plan.module, plan.predicted_peak_bytes, 0.0))
+    monkeypatch.setattr(CompiledPlanner, "_plan_knapsack", lambda self, b, r: knapsack)
+    monkeypatch.setattr(compiled_mod, "interleaved_step_times",
+                        lambda mods, *a, **k: {"regions": [0.01], "knapsack": [0.02]})
+    plan = CompiledPlanner(planner, max_loosen=0, timing_repeats=1).plan(budget_bytes=budget, solver="greedy")
+    assert resolved == [budget]  # once, for both lowerings
+    assert plan.stats["compiled"]["lowering"] == "regions" and plan.regions
+    assert plan.solver == "greedy" and plan.budget_bytes == budget and plan.predicted_peak_bytes <= budget
 
 
 @pytest.mark.parametrize("call", [
