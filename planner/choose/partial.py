@@ -26,7 +26,8 @@ eagerly, as torch.compile does at graph breaks:
    the eager code takes are counted resident. The prediction is an upper bound.
 4. The solution's regions are split back per piece; each piece is rewritten
    and put in place of its submodule in a shallow copy of the model, which
-   shares every parameter and buffer and keeps the state_dict keys.
+   shares every parameter and buffer and keeps the state_dict keys. With
+   the Setup's check_step, one step of it is compared with the model's.
 
 Other shapes: a smaller call runs the plan. A piece whose capture pinned its
 dimensions is captured again at the call's shape and given the same regions
@@ -470,7 +471,6 @@ class PartialPlanner(BasePlanner):
             "gradients, the pieces' inputs they make and, under autocast, the casts of parameters they alone take "
             f"({self.eager_bytes / 1e6:.2f} MB in all) for the whole step, so the predicted peak is an upper bound",
         )
-
 
 
 def _piece_rebuild(sub: torch.nn.Module, cap: Capture, regions: list[tuple[int, int]]):
