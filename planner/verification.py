@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -357,6 +358,7 @@ def step_differences(
         start = [b.detach().to("cpu", copy=True) for _, b in buffers]  # host: not beside either step
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+        np_rng = np.random.get_state()  # eager code that draws from numpy (SpecAugment's masks) draws alike in both
 
         def run(m: torch.nn.Module) -> tuple[list, list, list]:
             """One step of `m`: its tensor outputs, the parameters' gradients and the buffers after it."""
@@ -364,6 +366,7 @@ def step_differences(
                 for (_, b), v in zip(buffers, start):
                     b.copy_(v)
             torch.set_rng_state(cpu_rng)
+            np.random.set_state(np_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
             for _, p in params:

@@ -1,6 +1,7 @@
 """The partial path takes the same Setup as a whole graph's: the step check reaches it, and a model that
 refuses its inputs when run eagerly is named in one line."""
 
+import numpy as np
 import pytest
 import torch
 from ckpt_planner import InfeasibleBudgetError, InputError, optimize
@@ -8,6 +9,7 @@ from ckpt_planner.choose import partial as partial_mod
 from ckpt_planner.choose.partial import PartialPlanner
 from ckpt_planner.errors import InexactPlanError
 from ckpt_planner.settings import PlanRequest, Setup
+from ckpt_planner.verification import step_differences
 
 from tests.support.profiles import TIMED_ONCE
 from tests.unit.choose.test_partial import Branchy
@@ -63,3 +65,20 @@ def test_a_model_that_refuses_its_inputs_on_the_partial_path_is_one_input_error(
     message = str(info.value)
     assert "\n" not in message and message.startswith("inputs: Branchy raised RuntimeError on the example inputs")
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+class NumpyMasked(torch.nn.Module):
+    """Eager code that draws from numpy's global generator, as transformers' SpecAugment masks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.from_numpy(np.random.rand(*x.shape) > 0.5)
+        return (self.lin(x) * keep).sum()
+
+
+def test_the_step_check_draws_numpy_alike_in_both_steps():
+    model, x = NumpyMasked(), torch.randn(4, 8)
+    assert step_differences(model, model, (x,), {}) == []  # the model's own step against itself
