@@ -29,6 +29,9 @@ eagerly, as torch.compile does at graph breaks:
    shares every parameter and buffer and keeps the state_dict keys. With
    the Setup's check_step, one step of it is compared with the model's.
 
+One concept (a plan made of captured pieces and eager code) in one module: its
+four steps share the pieces' records and would only pass them between files.
+
 Other shapes: a smaller call runs the plan. A piece whose capture pinned its
 dimensions is captured again at the call's shape and given the same regions
 (by node name; activations only shrink, so the peak stays under the budget).
