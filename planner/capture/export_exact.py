@@ -46,6 +46,9 @@ transformers 5.17 passes the bias as T5's permuted embedding view (last stride =
 path), later versions a contiguous copy (a fused kernel); a graph whose mask is laid out otherwise than
 eager's trains with other dropout masks on CUDA while the CPU, always on the math path in training,
 stays bitwise.
+
+One concept, so one module over 500 lines: an exported graph's attention made eager's; the mask decisions
+and the graph rewrite that inserts them read the same transformers internals.
 """
 
 from __future__ import annotations
@@ -394,15 +397,8 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         if not (causal_ok or bidirectional_ok):
             continue
         if summed is not None:  # SDPA stays, on eager's mask: the bias alone where eager drops the boolean mask
-            with graph.inserting_before(mask):
-                new = graph.call_function(
-                    eager_bias_plus_mask,
-                    summed,
-                    {"causal": causal_ok, "bidirectional": bidirectional_ok, "window": window},
-                )
-            new.meta.update({k: v for k, v in mask.meta.items() if k in ("nn_module_stack", "stack_trace")})
-            mask.replace_all_uses_with(new)
-            graph.erase_node(mask)
+            _fold_bias_plus_mask(graph, mask, summed, {"causal": causal_ok, "bidirectional": bidirectional_ok,
+                                                       "window": window})
             rewritten += 1
             continue
         if bias is not None:  # SDPA stays: eager calls it with the bias as its mask, not causal, on the heads as they are
@@ -462,6 +458,15 @@ def match_eager_attention(gm: fx.GraphModule, model: torch.nn.Module, skips: lis
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _fold_bias_plus_mask(graph: fx.Graph, mask: fx.Node, summed: tuple, decide: dict[str, Any]) -> None:
+    """Put `eager_bias_plus_mask` (the bias alone where eager drops the boolean mask) in place of `mask`."""
+    with graph.inserting_before(mask):
+        new = graph.call_function(eager_bias_plus_mask, summed, decide)
+    new.meta.update({k: v for k, v in mask.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    mask.replace_all_uses_with(new)
+    graph.erase_node(mask)
 
 
 def _local_size(module: torch.nn.Module) -> int | None:
