@@ -10,6 +10,7 @@ __all__ = [
     "NothingToPlanError",
     "UnplannableError",
     "ShapeError",
+    "ModelInputError",
     "CaptureError",
     "ProfileError",
     "PlanFileError",
@@ -42,6 +43,15 @@ class UnplannableError(InputError):
 
 class ShapeError(InputError):
     """An input larger than the shape the plan was made for; the message names both."""
+
+
+class ModelInputError(InputError):
+    """The model's own code refused the example inputs when run as given; `raised` is its error, in one line
+    (`TypeName: message`), for a caller that can name the inputs better (the command line's input specs)."""
+
+    def __init__(self, message: str, raised: str) -> None:
+        super().__init__(message)
+        self.raised = raised
 
 
 class SelectiveReplayError(PlannerError):

@@ -55,7 +55,7 @@ from ..capture.mutation import compute_nodes
 from ..capture.shapes import ShapeGuard, guard_model, input_shapes
 from ..capture.trace import Capture, capture, normalize_inputs
 from ..distributed import optimizer_state_bytes
-from ..errors import CaptureError, CheckOutOfMemoryError, InexactPlanError, InputError, PlannerError, ShapeError
+from ..errors import CaptureError, CheckOutOfMemoryError, InexactPlanError, ModelInputError, PlannerError, ShapeError
 from ..lower.apply import with_replaced
 from ..lower.rewrite import rewrite, safe_regions
 from ..model_state import ModelState
@@ -119,8 +119,8 @@ def _record_calls(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str
         raise
     except Exception as e:  # the model's own code refused the inputs (a shape, a dtype, a missing argument)
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        raise InputError(f"inputs: {type(model).__name__} raised {type(e).__name__} on the example inputs, run as "
-                         f"given to find its capturable parts ({first[:300]})") from None
+        raise ModelInputError(f"inputs: {type(model).__name__} raised {type(e).__name__} on the example inputs, run "
+                              f"as given to find its capturable parts ({first[:300]})", f"{type(e).__name__}: {e}") from None
     finally:
         for h in handles:
             h.remove()

@@ -306,18 +306,21 @@ def inputs_named(loaded: LoadedModel, inputs: Any, record: dict[str, Any]) -> It
     """A failure that the inputs caused becomes an InputError naming them: a capture or profile failure, or
     the model's own error where a model the capture cannot take whole is run eagerly in parts."""
     from ..capture.preflight import explain_failure
-    from ..errors import CaptureError, ProfileError
+    from ..errors import CaptureError, ModelInputError, ProfileError
 
     try:
         yield
     except Exception as e:
         ours = type(e).__module__.partition(".")[0] == __name__.partition(".")[0]  # the planner's own errors
-        if ours and not isinstance(e, (CaptureError, ProfileError)):
+        if ours and not isinstance(e, (CaptureError, ProfileError, ModelInputError)):
             raise
         reference = loaded.example_inputs
         if reference is None:
             reference = getattr(loaded.model, "example_input_array", None)
-        seen = e if ours else CaptureError(f"{type(e).__name__}: {e}")
+        if isinstance(e, ModelInputError):
+            seen = CaptureError(e.raised)  # the model's own error, as the capture would have met it
+        else:
+            seen = e if ours else CaptureError(f"{type(e).__name__}: {e}")
         better = explain_failure(loaded.model, inputs, reference, seen, record.get("inputs"))
         if better is None:
             raise
