@@ -429,3 +429,40 @@ def test_the_budget_is_converted_in_one_place(name):
     and loses its safety margin (`inner_budget`) in `ResolvedBudget` alone (choose/budget.py): every stage
     reads that record, so no two stages can hold different budgets for one request."""
     assert _calls(PLANNER, name) == {"choose/budget.py:ResolvedBudget"}
+
+
+# ---------------------------------------------------------------------------
+# Size: a function does one job; a long module holds one concept and says so.
+
+MAX_FUNCTION_LINES = 120
+LONG_MODULE_LINES = 500
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return [f"{name}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_over_120_lines():
+    long = [f for path in _modules().values() for f in _long_functions(path)]
+    assert not long, "split along its jobs: " + "; ".join(long)
+
+
+def test_a_module_over_500_lines_says_why_it_is_one():
+    """Its docstring names it one concept ("One concept, so one module over 500 lines: ...")."""
+    unexplained = []
+    for path in _modules().values():
+        if len(path.read_text().splitlines()) > LONG_MODULE_LINES:
+            doc = ast.get_docstring(_tree(path)) or ""
+            if "one concept" not in doc.lower():
+                unexplained.append(str(path.relative_to(ROOT)))
+    assert not unexplained, "split, or say in the docstring why it is one concept: " + ", ".join(unexplained)
+
+
+def test_the_size_checks_see_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    path = tmp_path / "probe.py"
+    path.write_text(f"def long():\n{body}\n")
+    assert _long_functions(path) == [f"probe.py:1 long ({MAX_FUNCTION_LINES + 1} lines)"]
