@@ -470,7 +470,10 @@ def _lora_bounds(conn, threads: int) -> None:
     conn.send(out)
 
 
-def _lora_child(conn, framework: str, mode: str, steps: int, threads: int, budget: int, store: str) -> None:
+def _lora_child(conn, framework: str, mode: str, steps: int, data_steps: int, threads: int, budget: int,
+                store: str) -> None:
+    """One run of `steps` steps over the first batches of the `data_steps`-step data set (the same batches in
+    every run, however many steps it takes)."""
     os.environ["CKPT_PLANNER_TIMINGS"] = store
     import logging
     import warnings
@@ -480,7 +483,8 @@ def _lora_child(conn, framework: str, mode: str, steps: int, threads: int, budge
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
     global qwen2, examples, BATCH, LONGEST
-    qwen2, examples, BATCH, LONGEST = lora_model, lora_examples, LORA_BATCH, LORA_LONGEST  # this process only
+    qwen2, BATCH, LONGEST = lora_model, LORA_BATCH, LORA_LONGEST  # this process only
+    examples = lambda n: lora_examples(data_steps)[: n * LORA_BATCH]  # noqa: E731
     lines: list[str] = []
 
     class Keep(logging.Handler):
@@ -506,7 +510,8 @@ def _lora_child(conn, framework: str, mode: str, steps: int, threads: int, budge
     ends, start = r["ends"], r["start"]
     step_s = [b - a for a, b in zip([start, *ends[:-1]], ends)]
     result = {"framework": framework, "mode": mode, "wall_s": r["wall_s"], "losses": r["losses"],
-              "weights": r["weights"], "median_step_s": statistics.median(step_s[1:]), "callback_log": lines}
+              "weights": r["weights"], "step_s": step_s, "median_step_s": statistics.median(step_s[1:]),
+              "callback_log": lines}
     if callback is not None:
         result.update(planning_s=callback.planning_s, predicted_bytes=callback.predicted_peak_bytes,
                       measured_bytes=callback.measured_peak_bytes, replans=callback.replans,
@@ -527,29 +532,37 @@ def _spawn(target, *args) -> Any:
         proc.join()
 
 
-def lora_main(steps: int, threads: int, frameworks: list[str], out: Path, note: str) -> dict[str, Any]:
+def lora_main(steps: int, threads: int, frameworks: list[str], out: Path, note: str,
+              ref_steps: int | None = None) -> dict[str, Any]:
+    """The planned run takes `steps` steps; the two references (no checkpointing, per layer) the first
+    `ref_steps` of the same batches, where given: losses and step times are compared over those."""
+    ref_steps = min(ref_steps or steps, steps)
     bounds = _spawn(_lora_bounds, threads)
     budget = (bounds["none"] + bounds["per-layer"]) // 2
     results: dict[str, Any] = {"steps": steps, "batch": LORA_BATCH, "lengths": [LORA_SHORTEST, LORA_LONGEST],
+                               "ref_steps": ref_steps,
                                "threads": threads, "measured_bounds_bytes": bounds, "budget_bytes": budget,
                                "note": note, "frameworks": {}}
     for fw in frameworks:
         runs = {}
         for mode in LORA_MODES:
             with tempfile.TemporaryDirectory() as store:
-                runs[mode] = _spawn(_lora_child, fw, mode, steps, threads, budget, store)
+                n = steps if mode == "planned" else ref_steps
+                runs[mode] = _spawn(_lora_child, fw, mode, n, steps, threads, budget, store)
             print(f"{fw} {mode}: {runs[mode]['wall_s']:.0f} s", flush=True)
         ref, gc, run = runs["none"], runs["per-layer"], runs["planned"]
         pred, meas = run["predicted_bytes"], run["measured_bytes"]
         per_step = run["median_step_s"]
+        common = slice(1, ref_steps)  # after the first step (planning) on the batches all three ran
+        step_vs_per_layer = statistics.median(run["step_s"][common]) / statistics.median(gc["step_s"][common])
         results["frameworks"][fw] = {
             "runs": {m: {k: v for k, v in r.items() if k != "losses"} for m, r in runs.items()},
-            "losses_bitwise_vs_none": run["losses"] == ref["losses"] and len(run["losses"]) == steps,
+            "losses_bitwise_vs_none": run["losses"][:ref_steps] == ref["losses"] and len(run["losses"]) == steps,
             "per_layer_losses_bitwise_vs_none": gc["losses"] == ref["losses"],
-            "weights_bitwise_vs_none": run["weights"] == ref["weights"],
+            "weights_bitwise_vs_none": run["weights"] == ref["weights"] if ref_steps == steps else None,
             "prediction_error": (meas - pred) / pred, "within_2pct": abs(meas - pred) <= 0.02 * pred,
             "within_budget": meas <= budget, "budget_used": meas / budget,
-            "step_vs_per_layer": per_step / gc["median_step_s"],
+            "step_vs_per_layer": step_vs_per_layer,
             "planning_share_of_run": run["planning_s"] / run["wall_s"],
             "planning_share_300_steps_extrapolated": run["planning_s"] / (run["planning_s"] + 300 * per_step),
         }
@@ -561,15 +574,20 @@ def lora_markdown(r: dict[str, Any]) -> str:
     lines = [
         "## LoRA (peft) under the Trainer and Lightning",
         "",
-        f"`python -m benchmarks.finetune --lora --steps {r['steps']}`: Llama 4 x 256 (vocabulary {VOCAB}) under "
+        f"`python -m benchmarks.finetune --lora --steps {r['steps']}"
+        f"{'' if r.get('ref_steps', r['steps']) == r['steps'] else ' --ref-steps ' + str(r['ref_steps'])}`: Llama 4 x 256 (vocabulary {VOCAB}) under "
         f"LoRA r=8 on q_proj, v_proj; batch {r['batch']}, {r['lengths'][0]}-{r['lengths'][1]} tokens padded per "
         f"batch, the longest batch twice; {r['threads']} torch threads. Budget {_mb(r['budget_bytes'])}: halfway "
         f"between the measured peaks of the loop's step at the longest batch without checkpointing "
         f"({_mb(b['none'])}) and with `gradient_checkpointing_enable()` per layer ({_mb(b['per-layer'])}). "
         "Per framework three runs, each a fresh interpreter: no checkpointing, per layer, and the callback "
-        "(`budget_bytes`, `max_length=512`, default profile with autotune). Step times are medians after the "
-        "first step on a shared 2-core machine (noisy: read the ratio as a rough one); the 300-step planning "
-        "share is extrapolated from the planning seconds and the planned run's median step, not measured.",
+        "(`budget_bytes`, `max_length=512`, default profile with autotune)"
+        + (f"; the two references run the first {r['ref_steps']} of the planned run's {r['steps']} batches, and "
+           "losses and step times are compared over those" if r.get("ref_steps", r["steps"]) != r["steps"] else "")
+        + ". Step times are medians after the first step (noisy on this CPU: read the ratio as a rough one). "
+        + ("The planning share is measured: the callback's planning seconds over the planned run's wall time."
+           if r["steps"] >= 300 else "The 300-step planning share is extrapolated from the planning seconds and "
+           "the planned run's median step, not measured."),
         "",
         "| framework | predicted (longest) | measured (longest) | error | of budget | losses bitwise | weights "
         "bitwise | step / per-layer step | planning s | planning % of run | % of 300 steps (extrapolated) | "
@@ -581,7 +599,8 @@ def lora_markdown(r: dict[str, Any]) -> str:
         lines.append("| " + " | ".join([
             fw, _mb(run["predicted_bytes"]), _mb(run["measured_bytes"]), f"{100 * x['prediction_error']:+.1f} %",
             f"{100 * x['budget_used']:.1f} % ({'within' if x['within_budget'] else 'OVER'})",
-            "yes" if x["losses_bitwise_vs_none"] else "no", "yes" if x["weights_bitwise_vs_none"] else "no",
+            "yes" if x["losses_bitwise_vs_none"] else "no",
+            {True: "yes", False: "no", None: "n/a"}[x["weights_bitwise_vs_none"]],
             f"{x['step_vs_per_layer']:.2f}", f"{run['planning_s']:.1f}", f"{100 * x['planning_share_of_run']:.1f} %",
             f"{100 * x['planning_share_300_steps_extrapolated']:.1f} %", str(len(run["replans"])),
         ]) + " |")
@@ -603,11 +622,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="", help="a line on the machine's state, printed under the tables")
     ap.add_argument("--lora", action="store_true", help="the LoRA (peft) case; its section replaces the LoRA "
                     "section of the results and keeps the rest")
+    ap.add_argument("--ref-steps", type=int, default=None, help="with --lora: steps of the two reference runs "
+                    "(no checkpointing, per layer), the first batches of the planned run's; default: --steps")
     args = ap.parse_args(argv)
     steps = args.steps or (30 if args.quick else 300)
     threads = args.threads or max(1, min(2, os.cpu_count() or 1))
     if args.lora:
-        lora = lora_main(steps, threads, args.frameworks.split(","), args.out, args.note)
+        lora = lora_main(steps, threads, args.frameworks.split(","), args.out, args.note, args.ref_steps)
         path = args.out / "finetune.json"
         results = json.loads(path.read_text()) if path.exists() else {}
         results["lora"] = lora
