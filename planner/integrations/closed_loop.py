@@ -72,14 +72,42 @@ def _solved_only(kept: Any) -> Iterator[None]:
         profiled.setup = setup
 
 
+RACE_SHARE = 0.02
+"""The share of a run's training steps the default race may take. A race ranks plans whose predicted steps
+differ by a few percent of a step; more of the run than this it could seldom win back."""
+
+
+def race_for_run(run_steps: int | None) -> tuple[int | None, str]:
+    """(autotune steps, a note) for a run of `run_steps` training steps: at most RACE_SHARE of them, and none
+    where that leaves no room for two candidates (race/rules.py `schedule`); (None, '') where the run's
+    length is unknown (the race is held to the planning's time alone)."""
+    from ..choose.race.rules import AUTOTUNE_STEPS, schedule
+
+    if not run_steps or run_steps <= 0:
+        return None, ""
+    steps = min(AUTOTUNE_STEPS, int(RACE_SHARE * run_steps))
+    if schedule(2, steps) == (0, 0):
+        return 0, (f"autotune: off: {100 * RACE_SHARE:.0f} % of the run's {run_steps} training steps is too few "
+                   "model steps to race two plans (the solver's plan runs; autotune= sets it)")
+    return steps, f"autotune: held to {steps} model steps, {100 * RACE_SHARE:.0f} % of the run's {run_steps} training steps"
+
+
+PROBE_SOLVER = "dp"
+"""The solver of the plan that only sizes the loop's step (`probe`): fast, and never the plan that runs."""
+
+
 def plan_captured(planner: Any, *, probe: bool = False, **budget: Any) -> Any:
     """The captured step at the planned shape planned for `budget` (optimize()'s budget keywords), the other
     keywords as given. Where they allow it, one Planner captures and profiles once for every budget.
-    `probe`: with such a Planner, the solver's plan alone (neither checked nor raced), `.probe` set on it; a
-    plan that only sizes the loop's step costs no model step. Without one, the plan as optimize() makes it."""
+    `probe`: with such a Planner, a solver's plan alone (PROBE_SOLVER's where the solver is 'auto', neither
+    checked nor raced), `.probe` set on it; a plan that only sizes the loop's step costs no model step and
+    little solving. Without one, the plan as optimize() makes it."""
     from ..api import Planner, optimize
-    from ..errors import CaptureError
+    from ..errors import CaptureError, InfeasibleBudgetError, PlannerError
     kwargs = {k: v for k, v in planner.optimize_kwargs.items() if k not in BUDGET_KEYS}
+    race, _ = race_for_run(getattr(planner, "run_steps", None))
+    if race is not None:
+        kwargs.setdefault("autotune", race)
     planner._inside = True  # the model's own code is captured; no step is measured meanwhile
     try:
         with preserved(planner._target), through_bars():
@@ -93,7 +121,12 @@ def plan_captured(planner: Any, *, probe: bool = False, **budget: Any) -> Any:
             if planner._planner and probe:
                 request = {k: v for k, v in kwargs.items() if k in REQUEST_KEYS and k != "autotune"}
                 with _solved_only(planner._planner):
-                    plan = planner._planner.plan(**request, **budget, autotune=False)
+                    plan = None
+                    if request.get("solver", "auto") == "auto":
+                        with contextlib.suppress(InfeasibleBudgetError, PlannerError):  # where it finds none: the solver's own
+                            plan = planner._planner.plan(**{**request, "solver": PROBE_SOLVER}, **budget, autotune=False)
+                    if plan is None:
+                        plan = planner._planner.plan(**request, **budget, autotune=False)
                 plan.probe = True
                 return plan
             if planner._planner:
@@ -112,6 +145,16 @@ def _predict(planner: Any) -> Any:
 
 
 def first_plan(planner: Any, budget: dict[str, Any]) -> tuple[Any, str]:
+    """The plan the loop runs, made on the first batch for `budget` (optimize()'s budget keywords), with the
+    race held to the run's length where the loop gives it (`race_for_run`; the plan's notes say so)."""
+    plan, line = _first_plan(planner, budget)
+    _, note = race_for_run(getattr(planner, "run_steps", None))
+    if note and "autotune" not in planner.optimize_kwargs:
+        plan.notes = (*plan.notes, note)
+    return plan, line
+
+
+def _first_plan(planner: Any, budget: dict[str, Any]) -> tuple[Any, str]:
     """The plan the loop runs, made on the first batch for `budget` (optimize()'s budget keywords).
 
     For a loop that runs the captured step (HELD) it is optimize()'s plan. Else the solver's plan alone

@@ -216,6 +216,9 @@ class FirstBatchPlanner:
         self._remeasure = False
         self._planner: Any = None
         """The Planner that captured and profiled the planned shape, kept for planning it again (closed_loop.py)."""
+        self.run_steps: int | None = None
+        """Training steps (forward and backward) the run will take, where the loop says (the callbacks set it):
+        the race is held to a share of them (`race_for_run`)."""
 
     @property
     def predicted_peak_bytes(self) -> int | None:

@@ -64,6 +64,9 @@ class LightningPlanCallback(Callback):
         datamodule = getattr(trainer, "datamodule", None)
         self.planner.loop = self.loop or LoopStep(
             outputs_dropped=True, accumulating=trainer.accumulate_grad_batches > 1, backward_outside_autocast=True)
+        steps = getattr(trainer, "estimated_stepping_batches", None)  # optimizer steps; inf for an endless run
+        if isinstance(steps, (int, float)) and 0 < steps < float("inf"):
+            self.planner.run_steps = int(steps) * max(1, trainer.accumulate_grad_batches)
         self.planner.attach(
             pl_module, trainer.optimizers[0] if trainer.optimizers else None,
             collators=collators_of(getattr(trainer, "train_dataloader", None)),

@@ -60,6 +60,8 @@ class TrainerPlanCallback(TrainerCallback):
         processing = kwargs.get("processing_class")
         self.planner.loop = self.loop or LoopStep(
             outputs_dropped=True, accumulating=args.gradient_accumulation_steps > 1, backward_outside_autocast=True)
+        if state.max_steps and state.max_steps > 0:  # a forward and backward per batch, several per optimizer step
+            self.planner.run_steps = state.max_steps * max(1, args.gradient_accumulation_steps)
         self.planner.attach(
             model, optimizer, collators=collators_of(kwargs.get("train_dataloader")),
             tokenizers=(processing, getattr(processing, "tokenizer", None)),

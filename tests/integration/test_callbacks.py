@@ -63,6 +63,9 @@ def test_trainer_callback_same_losses_and_logs_peaks(tmp_path, caplog) -> None:
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "planning GPT2LMHeadModel at input_ids [4, 32]" in text and "(the first batch" in text
     assert "predicted" in text and "measured" in text
+    # the Trainer's max_steps is the run's length: too short a run to race (the note says so)
+    assert callback.planner.run_steps == STEPS
+    assert any(n.startswith("autotune: off") and f"{STEPS} training steps" in n for n in callback.plan.notes)
 
 
 # -- lightning ----------------------------------------------------------------------
@@ -122,6 +125,8 @@ def test_lightning_callback_same_losses_and_logs_peaks(caplog) -> None:
     assert abs(callback.predicted_peak_bytes / callback.measured_peak_bytes - 1) < 0.1
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "planning Net at x [64, 32]" in text and "measured" in text
+    assert callback.planner.run_steps == STEPS  # Lightning's estimated stepping batches: the run's length
+    assert any(n.startswith("autotune: off") and f"{STEPS} training steps" in n for n in callback.plan.notes)
 
 
 def test_missing_framework_names_the_install(monkeypatch) -> None:

@@ -259,3 +259,51 @@ def test_a_lighter_loops_plan_is_checked_and_raced_once(monkeypatch) -> None:
     first = planner.measurements[0]
     assert first.peak_bytes <= planner.plan.budget_bytes
     assert abs(first.peak_bytes - planner.predicted_peak_bytes) <= 0.02 * first.peak_bytes
+
+
+def test_the_race_is_held_to_a_share_of_the_run() -> None:
+    from ckpt_planner.choose.race.rules import AUTOTUNE_STEPS, schedule
+    from ckpt_planner.integrations.closed_loop import RACE_SHARE, race_for_run
+
+    assert race_for_run(None) == (None, "")  # a run of unknown length: the planning's time holds the race
+    steps, note = race_for_run(300)  # 2 % of 300 is 6 model steps: too few for two candidates
+    assert steps == 0 and schedule(2, int(RACE_SHARE * 300)) == (0, 0)
+    assert note.startswith("autotune: off") and "300 training steps" in note
+    steps, note = race_for_run(1000)
+    assert steps == int(RACE_SHARE * 1000) and schedule(2, steps) != (0, 0) and "20 model steps" in note
+    assert race_for_run(10**6)[0] == AUTOTUNE_STEPS
+
+
+@pytest.mark.parametrize("run_steps", [300, 1000])
+def test_a_run_of_known_length_races_within_its_share(monkeypatch, run_steps) -> None:
+    """The callbacks give the planner the run's length: a short run is not raced (the note says why), a longer
+    one is raced for at most its share; the plan that only sizes the loop's step is dp's. Counts calls and
+    steps, not seconds."""
+    import ckpt_planner.choose.choice as choice
+    from ckpt_planner.choose.base import BasePlanner
+    from ckpt_planner.integrations.loop import LoopStep
+
+    raced: list[int] = []
+    solvers: list[str] = []
+    real_tune, real_plan = choice.autotuned, BasePlanner.plan
+
+    def tuned(p, solution, resolved, request, steps):
+        raced.append(steps)
+        return real_tune(p, solution, resolved, request, steps)
+
+    def plan(self, **kwargs):
+        solvers.append(kwargs.get("solver"))
+        return real_plan(self, **kwargs)
+
+    monkeypatch.setattr(choice, "autotuned", tuned)
+    monkeypatch.setattr(BasePlanner, "plan", plan)
+    settings = {k: v for k, v in PLAN.items() if k != "autotune"} | {"solver": "auto"}
+    planner = FirstBatchPlanner(activation_budget=0.75, **settings)
+    planner.loop = LoopStep(outputs_dropped=True)
+    planner.run_steps = run_steps
+    _same_training(_drops_outputs, planner)
+    assert solvers[0] == "dp" and all(s == "auto" for s in solvers[1:])  # the probe, then the plan that runs
+    if run_steps == 300:
+        assert raced == [] and any(n.startswith("autotune: off") for n in planner.plan.notes)
+    else:
+        assert raced == [20] and any("held to 20 model steps" in n for n in planner.plan.notes)
