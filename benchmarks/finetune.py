@@ -93,7 +93,8 @@ def _weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def _trainer_run(steps: int, callback, out_dir: str) -> dict[str, Any]:
+def _trainer_run(steps: int, callback, out_dir: str, stop_after: int | None = None) -> dict[str, Any]:
+    """`steps` steps (the learning-rate schedule's length), or the first `stop_after` of them."""
     import torch
     import transformers
     from ckpt_planner.lower.inplace import running_module
@@ -112,6 +113,8 @@ def _trainer_run(steps: int, callback, out_dir: str) -> dict[str, Any]:
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            if stop_after is not None and state.global_step >= stop_after:
+                control.should_training_stop = True
 
     ends: list[float] = []
     model = qwen2()
@@ -506,7 +509,9 @@ def _lora_child(conn, framework: str, mode: str, steps: int, data_steps: int, th
         build = lora_model
         qwen2 = lambda: (m := build(), _per_layer(m))[0]  # noqa: E731
     with tempfile.TemporaryDirectory() as out_dir:
-        r = _trainer_run(steps, callback, out_dir) if framework == "trainer" else _lightning_run(steps, callback)
+        # the Trainer's learning rate decays over max_steps: a shorter reference stops early on the same schedule
+        r = (_trainer_run(data_steps, callback, out_dir, stop_after=steps) if framework == "trainer"
+             else _lightning_run(steps, callback))
     ends, start = r["ends"], r["start"]
     step_s = [b - a for a, b in zip([start, *ends[:-1]], ends)]
     result = {"framework": framework, "mode": mode, "wall_s": r["wall_s"], "losses": r["losses"],
@@ -631,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         lora = lora_main(steps, threads, args.frameworks.split(","), args.out, args.note, args.ref_steps)
         path = args.out / "finetune.json"
         results = json.loads(path.read_text()) if path.exists() else {}
+        kept = results.get("lora", {})
+        if all(kept.get(k) == lora[k] for k in ("steps", "ref_steps", "budget_bytes")):  # the frameworks not run
+            lora["frameworks"] = {**kept["frameworks"], **lora["frameworks"]}
         results["lora"] = lora
         path.write_text(json.dumps(results, indent=2) + "\n")
         text = (markdown(results) + "\n" if "frameworks" in results else "") + lora_markdown(lora)
