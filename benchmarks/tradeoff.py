@@ -57,10 +57,10 @@ import torch.nn as nn  # noqa: E402
 from ckpt_planner.api import Planner  # noqa: E402
 from ckpt_planner.capture.trace import capture, normalize_inputs  # noqa: E402
 from ckpt_planner.choose.assemble import plan_from_solution  # noqa: E402
+from ckpt_planner.choose.race.calibration import with_step_times  # noqa: E402
 from ckpt_planner.lower.rewrite import rewrite  # noqa: E402
 from ckpt_planner.profile.memory import LiveMemory  # noqa: E402
 from ckpt_planner.profile.profiler import ProfileConfig, profile  # noqa: E402
-from ckpt_planner.profile.timing import with_step_times  # noqa: E402
 from ckpt_planner.profile.timing_store import STORE_ENV  # noqa: E402
 from ckpt_planner.solvers.heuristics.selective import block_regions  # noqa: E402
 from ckpt_planner.verification import default_loss  # noqa: E402

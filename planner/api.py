@@ -29,6 +29,7 @@ from .choose.choice import choose_solution, judges, planning_clock
 from .choose.inexact import inexact_setup, plan_inexact
 from .choose.partial import PartialPlanner
 from .choose.profiled import EVAL_NOTE, Profiled, profiled
+from .choose.race.calibration import with_step_times
 from .choose.race.rules import WHOLE_MODULES
 from .distributed import plan_collectively, planning_is_collective
 from .errors import CaptureError, InputError
@@ -151,7 +152,7 @@ class Planner(BasePlanner):
                 cap, chunks = chunk_capture(cap)
             logger.info("capture: %s, %d graph nodes", cap.method, len(cap.graph_module.graph.nodes))
             check, fits = judges(model, cap, setup, chunks, notes, feasible_for)  # on bytes, before any timing
-            cost = profile_for_planning(model, cap, setup.profile, check, fits)
+            cost = profile_for_planning(model, cap, setup.profile, check, fits, with_step_times)  # calibrated on a lowered step
         values = ValueGuard(frozen_values(model, cap.graph_module, cap.method))
         notes += ([values.note()] if values.values else []) + stale_note(cap.graph_module)
         self.profiled: Profiled = profiled(model, cap, cost, setup, chunks=chunks, capture_notes=notes)

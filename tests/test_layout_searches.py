@@ -17,12 +17,8 @@ SEARCHES = {"module_candidates", "best_module_plan", "_greedy", "ModuleCandidate
 
 _APPLY = ("apply_plan maps a plan, one loaded from a file too, onto whole modules when it is applied: the "
           "lowering's own step until the Plan record carries the aligned spans")
-_CALIBRATION = ("the calibration times one step checkpointed per repeated block (else about sqrt(n) even runs); "
-                "the profile cannot ask choose/, which sits above it, until its caller hands it that plan")
 KEPT = {
     "lower/apply.py: defines module_aligned": _APPLY,
-    "profile/timing.py: imports block_regions from solvers.heuristics.selective": _CALIBRATION,
-    "profile/timing.py: imports uniform from solvers.heuristics.basic": _CALIBRATION,
 }
 """Searches that stay below choose/, each with its reason; the check fails when one moves, so the list shrinks."""
 

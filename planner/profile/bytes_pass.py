@@ -31,10 +31,13 @@ from ..progress import logger, stage
 from .graph import CostGraph
 from .memory import collections_of_new_objects
 from .profiler import ProfileConfig, fake_profile, profile
-from .timing import with_step_times
 from .timing_store import store_dir
 
-__all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES", "profile_for_planning"]
+__all__ = ["bytes_config", "needs_bytes_pass", "ProfileMemo", "PROFILES", "profile_for_planning", "StepTimes"]
+
+StepTimes = Callable[..., CostGraph]
+"""The step timings and calibration `profile_for_planning` is handed: (cost, model, graph, args, kwargs, *,
+timing_store) -> the profile with its step figures."""
 
 
 def bytes_config(config: ProfileConfig) -> ProfileConfig:
@@ -126,7 +129,8 @@ PROFILES = ProfileMemo()
 @collections_of_new_objects()  # its allocator windows each collect garbage first
 def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileConfig,
                          check_bytes: Callable[[CostGraph], None] | None = None,
-                         plain_fits: Callable[[CostGraph], bool] | None = None) -> CostGraph:
+                         plain_fits: Callable[[CostGraph], bool] | None = None,
+                         step_times: StepTimes | None = None) -> CostGraph:
     """The profile a Planner plans on.
 
     `plain_fits(cost)`: whether the plain step fits the budget, judged on bytes. Where it does not (and
@@ -137,13 +141,17 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
     Either way: reused when this process measured the same graph, weights and inputs; where the profile
     times the model, the bytes pass first (`check_bytes(cost)` refuses an infeasible budget before any
     timing: one untimed step, a stage at a time where the plain step does not fit), then the timed
-    profile, and the whole step's times where it was profiled whole."""
+    profile, and the whole step's times where it was profiled whole: `step_times(cost, model, graph, args,
+    kwargs, timing_store=...)`, the eager and graph steps and the calibration on a step checkpointed per
+    block (choose/race/calibration.py `with_step_times`, handed in by the spine: it lowers a plan, which
+    the profile stage does not); None: the profile's own figures, no step timed."""
     fake = None
+    timed = (step_times is not None,)  # a profile without its step figures never serves a call that times them
     with contextlib.ExitStack() as bytes_stage:
         if config.bounded is None:
             bounded = False
             if plain_fits is not None and not config.meta:
-                known = next((c for c in (PROFILES.get(PROFILES.key(model, cap, dataclasses.replace(config, bounded=b)))
+                known = next((c for c in (PROFILES.get(PROFILES.key(model, cap, dataclasses.replace(config, bounded=b), timed))
                                           for b in (False, True)) if c is not None), None)
                 if known is not None:  # this process profiled it: its bytes decide
                     bounded = not plain_fits(known)
@@ -152,7 +160,7 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
                     fake = fake_profile(cap, config)
                     bounded = not plain_fits(fake[0])
             config = dataclasses.replace(config, bounded=bounded)
-        memo = PROFILES.key(model, cap, config)
+        memo = PROFILES.key(model, cap, config, timed)
         cost = PROFILES.get(memo)
         if cost is not None:
             bytes_stage.close()
@@ -170,8 +178,8 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
     logger.info("profile: %d nodes%s, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
                 f" in {len(cost.stages)} stages" if cost.stages else "", cost.total_saved_bytes / 1e6,
                 cost.total_time * 1e3, cost.time_source)
-    if whole and config.overheads and cost.time_source != "flops":  # FLOP times have no step to time
+    if step_times is not None and whole and config.overheads and cost.time_source != "flops":  # FLOP times: no step
         with stage("step times", "the eager step, the captured graph and one calibration step"):
-            cost = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
+            cost = step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
     PROFILES.put(memo, cost)
     return cost

@@ -99,7 +99,7 @@ class CostGraph:
     """Extra step time of the captured graph against the eager model (seconds)."""
     recompute_scale: float = 1.0
     """The factor node times were scaled by so that a recompute costs what it does in a real step
-    (timing.with_step_times); 1.0 when not calibrated."""
+    (choose/race/calibration.py with_step_times); 1.0 when not calibrated."""
     casts: tuple[Cast, ...] = ()
     """Autocast's cached casts of parameters (in `param_bytes`), with the nodes that read and save each."""
     casts_cleared: bool = False

@@ -45,7 +45,7 @@ from ..capture.mutation import mutated_inputs, stale_reads, writes_by_schema, wr
 from ..capture.rng import UNREPLAYABLE_META, rng_state_bytes, uses_rng
 from ..capture.trace import Capture, flatten_for_graph
 from ..errors import InputError
-from ..lower.selective import PolicyCounter, try_policy_costs
+from ..lower.selective import PolicyCounter, dispatch_probe_contexts, saveable_flags, try_policy_costs
 from ..model_state import rng_preserved
 from ..solvers.problem import Cast
 from .backward import measure_backward, with_backward_temps
@@ -145,7 +145,8 @@ def profile(cap: Capture, config: ProfileConfig | None = None, *, device: torch.
             cost = _profile_real(gm, flat, config, dev)
             cached, ops = try_policy_costs(gm, flat)
         how = dict(anchor=config.anchor, overheads=config.overheads, timing_store=config.timing_store)
-        return finish_profile(cost, gm, device=dev, cache=cached, ops=ops, **how)
+        flags = saveable_flags(gm)
+        return finish_profile(cost, gm, flags, dispatch_probe_contexts, device=dev, cache=cached, ops=ops, **how)
 
 
 def _external_keys(gm: fx.GraphModule, flat: list[Any]) -> dict[int, torch.Tensor]:

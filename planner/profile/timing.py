@@ -16,10 +16,15 @@
 * `call_overheads`: the fixed cost of one non-reentrant checkpoint call, of its hooks per saved tensor,
   over a step (forward, recompute, backward) and of the selective policy per
   op, measured on the device on tiny regions (`call_timings`, kept in the
-  timing store) and derived from those timings (`call_costs`). `with_step_times` measures
-  the policy's cost again on the model's own ops, which cost more per op.
-* `step_times`: the eager model's step and the captured graph's, so that
-  the predicted step time counts the graph's own overhead.
+  timing store) and derived from those timings (`call_costs`). The calibration
+  (choose/race/calibration.py) measures the policy's cost again on the model's own ops, which cost
+  more per op.
+* `step_times`: the eager model's step and the captured graph's (and the calibration's checkpointed
+  graphs), so that the predicted step time counts the graph's own overhead.
+
+Nothing here lowers a plan: what runs a region under the selective policy (`probe`, lower/selective.py's
+`dispatch_probe_contexts`) and which nodes a policy may keep (`flags`, its `saveable_flags`) are
+handed in by the profiler.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from .graph import CostGraph, NodeCost
-from .timing_store import TimingStore, open_store, signature
+from .timing_store import TimingStore, open_store
 
 __all__ = [
     "robust_times",
@@ -48,10 +53,12 @@ __all__ = [
     "call_costs",
     "step_times",
     "quantize",
-    "with_step_times",
     "finish_profile",
     "node_kind",
 ]
+
+ContextFn = Callable[[], tuple[Any, Any]]
+"""A checkpoint `context_fn`: the (forward, recompute) contexts of one call."""
 
 GRID = 4  # steps per doubling of the time grid
 DISAGREE = 2.0  # a key whose typical run is slower than this times its fastest is estimated (anchor_times)
@@ -193,11 +200,12 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
+def call_timings(device: torch.device | str, probe: ContextFn) -> dict[str, float]:
     """The steps `call_costs` derives the call costs from, seconds, the least of two passes (the first pass
     in a process also pays one-off initialisation): `region`, one checkpoint region of TINY_OPS tiny ops;
-    `each`, a region per op; `selective`, the one region under the kept-node mode keeping nothing;
-    `plain`, the ops without checkpointing; `forward`, their forward alone."""
+    `each`, a region per op; `selective`, the one region under the kept-node mode keeping nothing (`probe`:
+    checkpoint's context_fn that runs it so); `plain`, the ops without checkpointing; `forward`, their
+    forward alone."""
     device = torch.device(device)
     sync = _sync_for(device)
     x = torch.randn(8, device=device, requires_grad=True)
@@ -218,10 +226,8 @@ def call_timings(device: torch.device | str = "cpu") -> dict[str, float]:
     def one(t: torch.Tensor) -> torch.Tensor:
         return checkpoint(chain, t, use_reentrant=False)
 
-    from ..lower.selective import dispatch_probe_contexts
-
     def one_selective(t: torch.Tensor) -> torch.Tensor:
-        return checkpoint(chain, t, use_reentrant=False, context_fn=dispatch_probe_contexts)
+        return checkpoint(chain, t, use_reentrant=False, context_fn=probe)
 
     def once() -> dict[str, float]:
         return {
@@ -250,9 +256,9 @@ def call_costs(t: dict[str, float]) -> tuple[float, float, float]:
     return quantize(per_call), quantize(per_op), quantize(per_saved)
 
 
-def call_overheads(device: torch.device | str = "cpu") -> tuple[float, float, float]:
+def call_overheads(device: torch.device | str, probe: ContextFn) -> tuple[float, float, float]:
     """`call_costs` measured now on `device`, seconds."""
-    return call_costs(call_timings(device))
+    return call_costs(call_timings(device, probe))
 
 
 def _loss(out: Any) -> torch.Tensor | None:
@@ -294,144 +300,6 @@ def step_times(
     return tuple(best)
 
 
-def _calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
-    """Regions to time a real recompute with: one per repeated block, else about sqrt(n) even runs."""
-    from ..solvers.costs import trim_flat_regions
-    from ..solvers.heuristics.basic import uniform
-    from ..solvers.heuristics.selective import block_regions
-
-    try:
-        problem = cost.to_problem()
-        regions = block_regions(problem)
-        return regions if regions else trim_flat_regions(problem, uniform(problem).regions)
-    except Exception:  # noqa: BLE001 - no calibration for a graph these cannot split: planned without it
-        return ()
-
-
-def with_step_times(
-    cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, *, calibrate: bool = True,
-    timing_store: bool = True,
-) -> CostGraph:
-    """The profile with the eager step time, the captured graph's overhead against it, and (`calibrate`)
-    node times scaled to what a recompute costs inside a real step, all measured.
-
-    The calibration times one step of the graph checkpointed per block against the plain graph: the
-    extra seconds, less the checkpoint calls and hooks, over the summed times of the nodes it
-    recomputes, is the factor a recompute costs against the profile's per-node runs (cold caches,
-    fresh allocations, a loaded machine). Every node's time is scaled by it (rounded to the time
-    grid, between 1/2 and 4), so every solver ranks plans by what the step will pay.
-
-    `timing_store`: with fitted times, the step timings are kept in the device's timing store under the
-    graph's signature (profile/timing_store.py): the calibration's three steps side by side, with what the
-    profile predicted for them, as one snapshot that heals whole when a run measures it clearly faster;
-    the eager and graph steps at the lowest run yet. The figures are derived from what the store holds,
-    so a run that the machine's load slowed down plans as the stored runs did.
-    """
-    if cost.time_source == "flops":
-        return cost
-    device = torch.device(cost.device)
-    store = open_store(device, timing_store and cost.time_source == "fitted")
-    key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
-    regions = _calibration_plan(cost) if calibrate else ()
-    measured = _measured_step(model, graph, args, kwargs, device, regions)
-    if measured:  # a step that could not be run is tried again next time
-        for name in ("step_time_s", "graph_step_s"):
-            store.settle("steps", f"{key}|{name}", measured[name], 1.0)
-        if "checkpointed" in measured:
-            predicted = _predicted(cost, regions)
-            store.settle("graphs", key, {**{k: measured[k] for k in CALIBRATION_STEPS[:3]}, **predicted}, HEAL)
-        store.save()
-    step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
-    if step_s <= 0:
-        return cost
-    graph_s = max(0.0, float(store.get("steps", f"{key}|graph_step_s") or 0.0) - step_s)
-    cost = replace(cost, step_time_s=step_s, graph_overhead_s=graph_s)
-    snapshot = store.get("graphs", key) if calibrate else None
-    if not isinstance(snapshot, dict) or set(snapshot) != set(CALIBRATION_STEPS):
-        return cost
-    if not all(isinstance(v, (int, float)) for v in snapshot.values()):  # a file edited by hand
-        return cost
-    scale, op_s = _calibration(cost, regions, snapshot)
-    if op_s is not None:
-        cost = replace(cost, op_overhead_s=op_s)
-    if scale == 1.0:
-        return cost
-    nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
-    return replace(cost, nodes=nodes, recompute_scale=scale)
-
-
-CALIBRATION_STEPS = ("graph", "checkpointed", "caching_nothing", "recomputed", "calls")
-"""A calibration snapshot (seconds): the steps timed side by side (the captured graph, the graph
-checkpointed per block, the same regions under a selective policy that keeps nothing) and what that
-run's profile predicted for the checkpointed one (its recomputed nodes; its calls and hooks). The
-figures come from the snapshot alone, so a node time or call cost that heals later moves no plan."""
-
-
-def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[str, float]:
-    """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
-    from ..solvers.simulate import simulate
-
-    sim = simulate(cost.to_problem(), regions)
-    calls = sim.call_time + sim.hook_time
-    return {"recomputed": sim.recompute_time - calls, "calls": calls}
-
-
-def _calibration(
-    cost: CostGraph, regions: tuple[tuple[int, int], ...], snap: dict[str, float]
-) -> tuple[float, float | None]:
-    """(recompute scale, selective policy's cost per op or None) from a calibration snapshot of `regions`."""
-    scale = 1.0
-    if snap["recomputed"] > 0:
-        extra = snap["checkpointed"] - snap["graph"] - snap["calls"]
-        scale = min(4.0, max(0.5, quantize(extra / snap["recomputed"])))
-    # The same regions under a selective policy that keeps nothing: the same recompute, plus the
-    # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
-    ops = sum(cost.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
-    if ops <= 0 or snap["caching_nothing"] <= 0:
-        return scale, None
-    return scale, max(0.0, snap["caching_nothing"] - snap["checkpointed"]) / (2 * ops)
-
-
-def _measured_step(
-    model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
-    regions: tuple[tuple[int, int], ...],
-) -> dict[str, float]:
-    """with_step_times' step timings, measured this run: the eager and graph steps and, with `regions`, the
-    calibration's three steps (CALIBRATION_STEPS)."""
-    from ..lower.rewrite import rewrite
-
-    checked: tuple[torch.nn.Module, ...] = ()
-    plain = graph
-    try:  # the graph as every plan runs it (its aten calls bound, fastcode.py), with no region
-        plain = rewrite(graph, (), model=model)
-    except Exception:  # noqa: BLE001 - timed as captured
-        pass
-    if regions:
-        try:
-            checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
-        except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
-            checked = ()
-    times = step_times(model, plain, args, kwargs, device, *checked)
-    eager_s, graph_s = times[0], times[1]
-    if eager_s <= 0 or graph_s <= 0:
-        return {}
-    out = {"step_time_s": eager_s, "graph_step_s": graph_s}
-    if checked:
-        out.update(zip(CALIBRATION_STEPS[:3], (graph_s, times[2], times[3])))
-    return out
-
-
-def _caching_nothing(checkpointed: torch.nn.Module) -> torch.nn.Module:
-    """`checkpointed` with every region run under the kept-node mode keeping nothing: what that mode's
-    dispatch alone costs per op on this graph's own ops (a kept node's ops pay it)."""
-    from ..lower.rewrite import CheckpointRegion
-
-    for module in checkpointed.modules():
-        if isinstance(module, CheckpointRegion):
-            module.dispatch_probe = True
-    return checkpointed
-
-
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
     """The op a node runs, for policies: 'aten.mm.default', 'matmul', 'Linear', 'Conv2d'."""
     if n.op == "call_module":
@@ -444,13 +312,16 @@ def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
 
 
 def finish_profile(
-    cost: CostGraph, gm: fx.GraphModule, *, anchor: bool, overheads: bool, device: torch.device,
+    cost: CostGraph, gm: fx.GraphModule, flags: list[bool], probe: ContextFn, *, anchor: bool, overheads: bool,
+    device: torch.device,
     cache: dict[str, int] | None = None,
     ops: dict[str, int] | None = None,
     timing_store: bool = True,
 ) -> CostGraph:
     """Kinds and saveable flags per node, fitted times (`anchor`), measured call costs (`overheads`).
 
+    `flags`: per compute node, whether a selective region may keep its output (selective.saveable_flags).
+    `probe`: the context_fn the call costs time the selective policy with (selective.dispatch_probe_contexts).
     `cache`, `ops`: per node, the bytes a selective policy keeping it would cache and the aten ops it
     dispatches (selective.policy_costs).
     A node is saveable only when that is no more than the storages the profile gives it: a composite
@@ -458,10 +329,8 @@ def finish_profile(
     so the simulator's figure for a kept node is the allocator's.
     """
     from ..capture.mutation import compute_nodes
-    from ..lower.selective import saveable_flags
 
     compute = compute_nodes(gm.graph)
-    flags = saveable_flags(gm)
     produced = [0] * len(cost.nodes)
     for st in cost.storages:
         produced[st.producer] += st.nbytes
@@ -483,7 +352,7 @@ def finish_profile(
     if anchor:
         cost = anchor_times(cost, store)
     if overheads and device.type != "meta" and cost.time_source != "flops":
-        region_s, op_s, saved_s = call_costs(store.settle("overheads", "call", call_timings(device), HEAL))
+        region_s, op_s, saved_s = call_costs(store.settle("overheads", "call", call_timings(device, probe), HEAL))
         cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s, saved_overhead_s=saved_s)
     store.save()
     return cost

@@ -5,8 +5,8 @@ Measured node times follow the machine's load: two profiles of one model on a bu
 differ by several times, and near-equal plans swap places. The store keeps, per device, the fitted
 time of each op on given sizes (timing.anchor_times), the timings the checkpoint call costs are
 derived from (timing.call_timings), and per captured graph the step times its calibration is derived
-from (timing.with_step_times). The first profile that meets an entry measures it and stores it; every
-later one reads it, so the plan is a function of the model, the inputs and the budget alone.
+from (choose/race/calibration.py with_step_times). The first profile that meets an entry measures it and
+stores it; every later one reads it, so the plan is a function of the model, the inputs and the budget alone.
 
 `copies` keeps the device's host copy times (profile/copy_bandwidth.py: seconds per GiB each way, a
 snapshot that heals like the others), from which offload's bandwidths are derived.
@@ -68,7 +68,7 @@ FORMAT = 5  # 5: the selective figures time the kept-node mode of selective.py, 
 _OFF = {"off", "0", "no", "false", "none"}
 MIN_TIME_S = 1e-9  # seconds: below any op's launch; 0, negatives and 1e-300 are not measurements
 MAX_TIME_S = 3600.0  # seconds: no op, call or step of one training step takes an hour
-_MAY_BE_ZERO = {"recomputed", "calls"}  # a calibration snapshot's predicted figures (timing.CALIBRATION_STEPS)
+_MAY_BE_ZERO = {"recomputed", "calls"}  # a calibration snapshot's predicted figures (calibration.CALIBRATION_STEPS)
 _TIMED_TABLES = ("ops", "overheads", "graphs", "steps", "copies")
 MAX_STORE_BYTES = 64 << 20  # bytes: thousands of entries take well under 1 MB; a file beyond this is not ours
 LOCK_WAIT_S = 10.0  # seconds: another run holds the lock for one read-merge-write; past this, this run stores nothing

@@ -232,7 +232,7 @@ def test_bench_header_and_rows_share_one_baseline():
 @pytest.mark.slow
 def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monkeypatch, caplog):
     transformers = pytest.importorskip("transformers")
-    bytes_pass = importlib.import_module("ckpt_planner.profile.bytes_pass")
+    api = importlib.import_module("ckpt_planner.api")
     profile_mod = importlib.import_module("ckpt_planner.profile.profiler")
 
     def no_timing(*args, **kwargs):
@@ -247,7 +247,7 @@ def test_infeasible_budget_on_the_quickstart_model_is_refused_before_timing(monk
 
     for name in ("_profile_real", "_profile_bounded"):  # the step whole, or a stage at a time
         monkeypatch.setattr(profile_mod, name, untimed_only(getattr(profile_mod, name)))
-    monkeypatch.setattr(bytes_pass, "with_step_times", no_timing)
+    monkeypatch.setattr(api, "with_step_times", no_timing)  # handed to the profile stage by the spine
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, use_cache=False)
     model = transformers.GPT2LMHeadModel(cfg)

@@ -230,30 +230,3 @@ def test_failing_backward_leaves_a_profile_with_a_warning():
         cost = profile(capture(model, (torch.randn(4, 8),)), TIMED_ONCE)
     assert cost.nodes and all(n.backward_temp_bytes == 0 for n in cost.nodes)
     assert all(p.grad is None for p in model.parameters())
-
-
-def test_recompute_calibration_scales_every_node_time_by_one_grid_factor():
-    """with_step_times times a per-block checkpointed step and scales node times by one factor: the
-    plan ranking the solvers see is the profile's, in the units of a real step."""
-    import dataclasses
-    import math
-
-    from ckpt_planner.profile.timing import quantize, with_step_times
-
-    from tests.models.examples import TinyGPT
-
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, seq=16).train()
-    x = torch.randint(0, 64, (2, 16))
-    cap = capture(model, (x, x))
-    cost = dataclasses.replace(profile(cap, ProfileConfig(warmup=0, repeats=1, overheads=False)), time_source="measured")
-    plain = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, calibrate=False)
-    assert plain.recompute_scale == 1.0 and [n.time for n in plain.nodes] == [n.time for n in cost.nodes]
-    assert plain.step_time_s > 0
-    scaled = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs)
-    k = scaled.recompute_scale
-    assert 0.5 <= k <= 4.0 and (k in (0.5, 4.0) or quantize(k) == k)
-    for a, b in zip(cost.nodes, scaled.nodes):
-        assert math.isclose(b.time, a.time * k, rel_tol=1e-12)
-    for p in model.parameters():
-        p.grad = None

@@ -7,9 +7,10 @@ import json
 import torch
 from ckpt_planner import ProfileConfig, solvers
 from ckpt_planner.capture import capture
+from ckpt_planner.choose.race import calibration as calibration_mod
+from ckpt_planner.choose.race.calibration import with_step_times
 from ckpt_planner.profile import profile
 from ckpt_planner.profile import timing as timing_mod
-from ckpt_planner.profile.timing import with_step_times
 from ckpt_planner.profile.timing_store import STORE_ENV, TimingStore, open_store
 
 from tests.models.examples import TinyGPT
@@ -50,7 +51,7 @@ def _loaded(monkeypatch, factor):
     fastest = timing_mod.with_fastest
     monkeypatch.setattr(profile_mod, "with_fastest", lambda c, s: fastest(c, {k: [v * factor for v in ts] for k, ts in s.items()}))
     real_step = timing_mod.step_times
-    monkeypatch.setattr(timing_mod, "step_times", lambda *a, **k: tuple(t * factor for t in real_step(*a, **k)))
+    monkeypatch.setattr(calibration_mod, "step_times", lambda *a, **k: tuple(t * factor for t in real_step(*a, **k)))
     real_calls = timing_mod.call_timings
     monkeypatch.setattr(timing_mod, "call_timings", lambda *a: {k: v * factor for k, v in real_calls(*a).items()})
 
@@ -210,42 +211,3 @@ def test_raw_times_are_not_stored(tmp_path, monkeypatch):
     cost = _profiled(model, cap, ProfileConfig(warmup=0, repeats=1, anchor=False, overheads=False))
     assert cost.time_source == "measured"
     assert list(tmp_path.glob("*.json")) == []
-
-
-def test_the_selective_dispatch_cost_is_calibrated_on_the_model_itself(monkeypatch):
-    """with_step_times also times the per-block plan under a selective policy that keeps nothing: the
-    extra seconds over the plain per-block step, per op dispatched in the forward and the recompute, is
-    the policy's cost per op on this model's own ops (a tiny-op microbenchmark read 2-9 us where GPT-2's
-    ops cost 16 us)."""
-    from ckpt_planner.lower import selective
-
-    model, cap = _tiny()
-    cost = profile(cap, ProfileConfig(warmup=0, repeats=1, timing_store=False))
-    seen = {}
-
-    def fake_times(model_, graph, args, kwargs, device, *checked):
-        seen["checked"] = checked
-        ops = sum(cost.nodes[i].dispatch_ops for s, e in timing_mod._calibration_plan(cost) for i in range(s, e + 1))
-        return (1.0, 1.0, 1.2, 1.2 + 2 * ops * 7e-6)
-
-    monkeypatch.setattr(timing_mod, "step_times", fake_times)
-    got = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=False)
-    assert abs(got.op_overhead_s - 7e-6) < 1e-12
-    assert (got.step_time_s, got.graph_overhead_s) == (1.0, 0.0)
-    # The timed variant really runs every region under the policy, and computes what the plain one does.
-    plain, caching_nothing = seen["checked"]
-    calls = []
-    real = selective.dispatch_probe_contexts
-    monkeypatch.setattr(selective, "dispatch_probe_contexts", lambda *a, **k: calls.append("probe") or real(*a, **k))
-    grads = []
-    for module in (plain, caching_nothing):
-        torch.manual_seed(1)
-        out = module(*cap.args, **cap.kwargs)
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        loss.float().sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        for p in model.parameters():
-            p.grad = None
-    regions = len(timing_mod._calibration_plan(cost))
-    assert regions > 0 and calls == ["probe"] * regions
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
