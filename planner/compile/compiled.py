@@ -429,14 +429,20 @@ class CompiledPlanner(BasePlanner):
         out.notes = kept + tuple(notes)
         return out
 
-    def sweep(self, budgets: Sequence[int], **plan_args: Any) -> list[Plan | None]:
+    def sweep(self, budgets: Sequence[int], request: PlanRequest | None = None, **plan_args: Any) -> list[Plan | None]:
         """One compiled plan per budget (bytes), None where infeasible; measured peaks never rise
-        as the budget falls (a tighter budget measuring above a looser one gets the looser plan)."""
+        as the budget falls (a tighter budget measuring above a looser one gets the looser plan).
+        `request` as `plan_for` takes it, its budget replaced by each of `budgets` (or `plan()`'s keywords)."""
+        named = sorted({"budget_gb", "budget_bytes", "activation_budget"} & set(plan_args))
+        if named or (request is not None and plan_args):
+            raise InputError("sweep: the budgets (bytes) come first, then a PlanRequest or plan()'s keywords: "
+                             f"drop {', '.join(named or sorted(plan_args))}")
+        request = request or PlanRequest.of(**plan_args)
         out: dict[int, Plan | None] = {}
         looser: Plan | None = None
         for b in sorted(set(int(x) for x in budgets), reverse=True):
             try:
-                plan = self.plan(budget_bytes=b, **plan_args)
+                plan = self.plan_for(_in_bytes(request, b))
             except InfeasibleBudgetError:
                 out[b] = None
                 continue

@@ -161,14 +161,14 @@ def test_sweep_gives_a_tighter_budget_the_looser_plan_when_it_measures_lower(mon
     base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
     budgets = [int(fixed + f * (base - fixed)) for f in (0.9, 0.7, 0.5)]
     cp = CompiledPlanner(planner, lowering="regions")
-    real = CompiledPlanner.plan
+    real = CompiledPlanner.plan_for
     low = fixed + 1
 
-    def plan(self, *, budget_bytes, **kw):  # the loosest budget's plan measures below every other
-        p = real(self, budget_bytes=budget_bytes, **kw)
-        return dataclasses.replace(p, measured_peak_bytes=low) if budget_bytes == budgets[0] else p
+    def plan_for(self, request):  # the loosest budget's plan measures below every other
+        p = real(self, request)
+        return dataclasses.replace(p, measured_peak_bytes=low) if request.budget.nbytes == budgets[0] else p
 
-    monkeypatch.setattr(CompiledPlanner, "plan", plan)
+    monkeypatch.setattr(CompiledPlanner, "plan_for", plan_for)
     loose, mid, tight = cp.sweep(budgets)
     assert loose.measured_peak_bytes == mid.measured_peak_bytes == tight.measured_peak_bytes == low
     assert (mid.budget_bytes, tight.budget_bytes) == (budgets[1], budgets[2])
