@@ -17,6 +17,15 @@ searches targets for a peak budget: it compiles and measures one step per target
 callback it is given), from "keep every candidate" down (tighter while over the budget, looser while
 well under, bisecting between), and knows each target's choice before compiling it (the candidates do
 not depend on the target), so a target that would give a graph already measured is not compiled.
+
+Random draws are never recomputed. Compile's partitioner counts dropout among the ops a memory budget lets it
+recompute, and outside checkpoint regions nothing replays the forward's random state in the backward: a
+recomputed dropout (or `bernoulli`, or an attention with `dropout_p`; with inductor's `fallback_random`
+these stay aten ops) draws a second mask, and the gradient is not the forward's. `KeepRandomDraws`, a
+joint-graph pass run before the partitioner, marks every node that draws random numbers must-save, so
+it is neither a candidate nor recomputed; what follows it (a mask's compare, its scaling) may be, from
+the saved draw. Without `fallback_random` inductor draws from a seed node, which is the one marked, and
+the masks are recomputed from the saved seed.
 """
 
 from __future__ import annotations
@@ -27,14 +36,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomKnapsackSolver, get_hash_for_files
+from torch._inductor.custom_graph_pass import (
+    CustomGraphPass,
+    CustomKnapsackSolver,
+    get_custom_graph_passes,
+    get_hash_for_files,
+)
 from torch.utils import _pytree as pytree
 
 from ..errors import InputError
 from ..profile.profiler import ProfileConfig, _roofline
 from ..profile.record import flop_formulas
 
-__all__ = ["Candidate", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "inductor_backend", "solve_knapsack"]
+__all__ = ["Candidate", "KeepRandomDraws", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "draws_random",
+           "inductor_backend", "solve_knapsack"]
 
 PARTITIONER_FRACTION = 1e-4
 """activation_memory_budget given to the partitioner: below every set it can reach without the
@@ -149,6 +164,8 @@ class KnapsackSolver(CustomKnapsackSolver):
         self.config = ProfileConfig.or_default(config)
         self.backend = backend
         self.calls: list[KnapsackCall] = []
+        self.keep_random = KeepRandomDraws()
+        """The pass `inductor_backend` runs with this solver: what it marked is what the solver never sees."""
 
     def __call__(self, memory: list[float], joint_graph: torch.fx.Graph, max_memory: float, node_info: Any,
                  all_recomputable_banned_nodes: list[torch.fx.Node]) -> tuple[list[int], list[int]]:
@@ -164,8 +181,50 @@ class KnapsackSolver(CustomKnapsackSolver):
         return (get_hash_for_files((__file__,)), self.target_bytes, c.peak_flops, c.bandwidth)
 
 
+_NO_DRAW_IF_ZERO = ("dropout_p", "p")
+"""Arguments that, at 0, make a seeded op draw nothing (an attention with `dropout_p=0.0`, `bernoulli(p=0)`)."""
+
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether a joint-graph node draws random numbers (torch tags such ops `nondeterministic_seeded`): run
+    again in the backward, it would draw again."""
+    target = node.target
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    args = schema.arguments if schema is not None else ()
+    bound = {a.name: a.default_value for a in args if a.has_default_value()}  # an argument left out is its default
+    bound.update(zip((a.name for a in args), node.args))
+    bound.update(node.kwargs)
+    return not any(isinstance(bound.get(k), (int, float)) and bound[k] == 0 for k in _NO_DRAW_IF_ZERO)
+
+
+class KeepRandomDraws(CustomGraphPass):
+    """A joint-graph pass (inductor's `joint_custom_post_pass`, run before the partitioner): every node that
+    draws random numbers is marked must-save, which bans its recompute; `marked` names them, per graph."""
+
+    def __init__(self) -> None:
+        self.marked: list[list[str]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        names = []
+        for node in graph.nodes:
+            # a checkpoint region's draws are the partitioner's own to replay (it saves their random state)
+            if draws_random(node) and node.meta.get("recompute") not in (CheckpointPolicy.MUST_RECOMPUTE,
+                                                                         CheckpointPolicy.PREFER_RECOMPUTE):
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                names.append(node.name)
+        self.marked.append(names)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
 def inductor_backend(solver: KnapsackSolver, options: dict[str, Any] | None = None) -> Callable:
-    """A torch.compile backend: inductor with `solver` deciding what the partitioner recomputes.
+    """A torch.compile backend: inductor with `solver` deciding what the partitioner recomputes, and no
+    random draw recomputed (`KeepRandomDraws`, after any joint-graph pass `options` names).
 
     The AOT autograd cache is off inside, so that the solver runs (and reports its candidates) on every
     compile; inductor's own cache still keys on `solver.uuid()`.
@@ -173,10 +232,14 @@ def inductor_backend(solver: KnapsackSolver, options: dict[str, Any] | None = No
     import torch._functorch.config as fconfig
     from torch._inductor.compile_fx import compile_fx
 
+    patches = dict(options or {})
+    patches["joint_custom_post_pass"] = (*get_custom_graph_passes(patches.get("joint_custom_post_pass")),
+                                         solver.keep_random)
+
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         with fconfig.patch(activation_memory_budget=PARTITIONER_FRACTION, activation_memory_budget_solver=solver,
                            enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches=options)
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     return backend
 
