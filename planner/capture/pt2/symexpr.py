@@ -12,6 +12,12 @@ accepts only integers, symbols, ``+ - * // %``, small integer powers (torch writ
 else (attributes, subscripts, lambdas, other names or calls, strings outside
 ``Symbol('name')``, floats) is refused.
 
+A size may also be bounded by a condition: torch writes the checks on a size that
+depends on the data (a boolean mask's count, ``u0``) as relations of two sizes,
+``LessThan(Symbol('u0', integer=True), Integer(64))``, joined by ``And``/``Or``/``Not``.
+A whole expression may be such a condition; its sides are sizes in the grammar above,
+and a condition is never a size (no relation inside ``Add`` or ``Max``).
+
 sympy folds integer arithmetic as it parses, and torch substitutes each size's
 hint into the expression: a short string such as ``((10**64)**64)**64`` stands
 for a number of hundreds of thousands of digits, and one level more for one
@@ -36,6 +42,12 @@ SYMBOL_NAME = re.compile(r"[a-z]{1,8}[0-9]{1,12}")
 
 _FUNCTIONS = {"Add", "Mul", "Mod", "Max", "Min", "FloorDiv", "PythonMod", "CleanDiv"}
 _TWO_ARGS = {"Mod", "FloorDiv", "PythonMod", "CleanDiv"}
+# sympy's relations as srepr writes them (`u0 <= 64` is LessThan, `Eq` is Equality) and their short names,
+# which sympify knows too; each compares two sizes
+_RELATIONS = {"LessThan", "GreaterThan", "StrictLessThan", "StrictGreaterThan", "Equality", "Unequality",
+              "Eq", "Ne", "Le", "Lt", "Ge", "Gt"}
+_LOGIC = {"And", "Or", "Not"}
+_TRUTH = {"true", "false"}  # srepr of sympy's true and false
 MAX_POWER = 64
 """`Pow(x, n)` (torch writes `Pow(s70, Integer(2))` for a square) only with a literal n in 0..MAX_POWER."""
 MAX_VALUE_BITS = 4096
@@ -121,6 +133,32 @@ def _call(node: ast.Call) -> int:
     raise ExprError(f"call of {shown[:40]!r} (only {', '.join(sorted(_FUNCTIONS | {'Integer', 'Pow', 'Symbol'}))})")
 
 
+def _condition(node: ast.AST) -> None:
+    """Check a condition: a relation of two sizes, And/Or/Not of conditions, or true/false."""
+    if type(node) is ast.Name and node.id in _TRUTH:
+        return
+    name = node.func.id if type(node) is ast.Call and type(node.func) is ast.Name else None
+    if name in _RELATIONS:
+        if len(node.args) != 2 or node.keywords:
+            raise ExprError(f"{name}(...) compares exactly two sizes")
+        for arg in node.args:
+            _walk(arg)
+        return
+    if name in _LOGIC:
+        if node.keywords or not node.args or (name == "Not" and len(node.args) != 1):
+            raise ExprError(f"{name}(...) with the wrong arguments")
+        for arg in node.args:
+            _condition(arg)
+        return
+    raise ExprError(f"{_shown(node)} where a condition belongs (only {', '.join(sorted(_RELATIONS | _LOGIC))})")
+
+
+def _shown(node: ast.AST) -> str:
+    if type(node) is ast.Call:
+        return f"call of {node.func.id[:40]!r}" if type(node.func) is ast.Name else f"call of {type(node.func).__name__}"
+    return type(node).__name__
+
+
 def _walk(node: ast.AST) -> int:
     """Check `node` against the grammar; returns a bound on its magnitude in bits (symbols taken at 2**64)."""
     kind = type(node)
@@ -160,7 +198,10 @@ def check_expr(text: object) -> None:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise ExprError(f"expression does not parse ({type(e).__name__})") from None
+    body = tree.body
+    is_condition = (type(body) is ast.Name and body.id in _TRUTH) or (
+        type(body) is ast.Call and type(body.func) is ast.Name and body.func.id in _RELATIONS | _LOGIC)
     try:
-        _walk(tree.body)
+        _condition(body) if is_condition else _walk(body)
     except RecursionError:
         raise ExprError("expression nested too deeply") from None

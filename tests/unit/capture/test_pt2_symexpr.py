@@ -1,16 +1,21 @@
 """Size expressions in a .pt2's graph (capture/pt2/symexpr.py): torch passes them to sympify, which
-evaluates Python. Those torch writes pass; code, and values no machine computes, are refused in one line
-before torch reads them, and no payload runs.
+evaluates Python. Those torch writes pass (sizes, and the conditions on a size the data decides); code, and
+values no machine computes, are refused in one line before torch reads them, and no payload runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
+import torch
 from ckpt_planner.capture.pt2.symexpr import ExprError, check_expr
 from ckpt_planner.cli.loading import load_model
+from ckpt_planner.errors import InputError
 
 from ..cli.cli_checks import one_line, run
-from .pt2_checks import with_size_expression
+from .pt2_checks import members, with_size_expression
 
 
 def test_size_expression_that_sympy_would_evaluate_runs_nothing(clean_pt2, tmp_path, capsys):
@@ -54,3 +59,60 @@ def test_size_expression_past_the_magnitude_bound_is_refused(clean_pt2, tmp_path
     code, err = run(["profile", path], capsys)
     line = one_line(err)
     assert code == 2 and "size expression" in line and "bits" in line, line
+
+
+def test_conditions_on_data_dependent_sizes_pass_and_code_inside_them_does_not():
+    """torch writes the checks on a size the data decides (u0, a boolean mask's count) as relations."""
+    u0 = "Symbol('u0', integer=True)"
+    for ok in (f"LessThan({u0}, Integer(64))", f"GreaterThan({u0}, Integer(0))",
+               f"And(StrictGreaterThan({u0}, Integer(1)), StrictLessThan({u0}, Integer(3)))",
+               f"Not(Equality({u0}, Integer(1)))", f"Unequality(Mod({u0}, Integer(2)), Integer(0))",
+               "Or(false, Eq(s0, 2))", "true", "Le(Mul(s0, s1), 4096)"):
+        check_expr(ok)
+    for bad in ("LessThan(__import__('os').system('true'), 1)", "Eq(s0.__class__, 1)", "true.__class__",
+                "And(Symbol('u0'), 1)", "Not(s0)", "Eq(s0)", "LessThan(s0, 1, evaluate=False)", "And()",
+                "Add(LessThan(s0, 1), 1)", "Max(true, 1)", "Eq(true, s0)", "Or(Eq(s0, 1), Lambda(s0, s0))",
+                "LessThan(Pow(Pow(s0, 64), 64), 1)", "Not(" * 3000 + "true" + ")" * 3000):
+        with pytest.raises(ExprError):
+            check_expr(bad)
+
+
+def test_code_inside_a_relation_runs_nothing(clean_pt2, tmp_path, capsys):
+    marker = tmp_path / "ran"
+    expr = f"LessThan(__import__('pathlib').Path({str(marker)!r}).touch() or {{hint}}, Integer(64))"
+    evil = with_size_expression(clean_pt2, tmp_path / "relation.pt2", expr)
+    code, err = run(["plan", evil, "--curve-points", "0", "-o", tmp_path / "plan.json"], capsys)
+    assert not marker.exists(), "the payload ran"
+    line = one_line(err)
+    assert code == 2 and "size expression" in line and "LessThan" in line, line
+
+    with contextlib.suppress(InputError):  # trusted: torch evaluates it (a condition where a size belongs)
+        load_model(str(evil), trust_pickle=True)
+    assert marker.exists()
+
+
+class MaskedLoss(torch.nn.Module):
+    """A token-classification loss over the rows a mask selects: a size the data decides (u0 <= 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x).view(-1, 3)
+        active = mask.view(-1) == 1
+        return torch.nn.functional.cross_entropy(logits[active], labels.view(-1)[active])
+
+
+def test_archive_with_a_data_dependent_size_loads(tmp_path):
+    torch.manual_seed(0)
+    model = MaskedLoss()
+    x, labels = torch.randn(4, 16, 8), torch.randint(0, 3, (4, 16))
+    mask = (torch.rand(4, 16) > 0.3).long()
+    path = tmp_path / "masked.pt2"
+    torch.export.save(torch.export.export(model, (x, mask, labels)), path)
+    graph = members(path)[1]["models/model.json"].decode()
+    assert "Symbol('u0'" in graph and re.search(r"(LessThan|GreaterThan)\(Symbol\('u0'", graph)
+
+    loaded = load_model(str(path))  # untrusted, as the command line loads it
+    assert torch.equal(loaded.model(x, mask, labels), model(x, mask, labels))
