@@ -75,7 +75,7 @@ def _fake_forward(model: torch.nn.Module, inputs: Any) -> BaseException | None:
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     from ..model_state import ModelState
-    from .pt2.archive import quiet_torch_export
+    from .pt2.load_errors import quiet_torch_export
     from .trace import normalize_inputs
 
     args, kwargs = normalize_inputs(inputs)

@@ -45,9 +45,8 @@ so even a fallback to ``weights_only=False`` inside torch cannot unpickle code.
 ``trust_pickle=True`` skips the allowlist and the grammar (the layout checks and
 the size caps stay). `open_torch_save_file` applies the layout checks and caps
 to a ``torch.save`` file (the command line's ``--inputs``) before it is loaded.
-
-One concept, so one module over 500 lines: the untrusted-archive gate; its layout, allowlist and size checks
-and the load read the same bytes in one pass, and apart they would leave a gap between check and use.
+The custom operators the graph calls are registered by their installed library
+first (`custom_ops.py`); a load that fails is told in one line (`load_errors.py`).
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import os
 import re
 import warnings
@@ -67,6 +65,8 @@ from typing import IO, Any
 import torch
 
 from ...errors import InputError
+from .custom_ops import graph_operators, register_operators
+from .load_errors import load_failure, logged_errors, quiet_torch_export
 from .symexpr import ExprError, check_expr, check_symbol_name
 from .zipcheck import MAX_MEMBERS, ZIP_MAGIC, LayoutError, end_record, memory_bytes, open_regular, open_zip
 
@@ -385,19 +385,11 @@ def unsafe_members(data: bytes) -> list[str]:
         return _classify(z, by_name, inflation_left)
 
 
-@contextlib.contextmanager
-def quiet_torch_export() -> Iterator[None]:
-    """torch.export logs tracebacks (a failed load, a failed export); keep our one-line errors clean."""
-    names = ("torch.export", "torch._export", "torch._dynamo", "torch.fx.experimental", "torch._subclasses.fake_tensor")
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+def _graph_bytes(data: bytes) -> bytes:
+    """The serialized graph (models/model.json), its size capped; b"" when there is none."""
+    z, by_name, _ = _open_archive(data)
+    with z:
+        return _read(z, by_name[_GRAPH], _GRAPH) if _GRAPH in by_name else b""
 
 
 @contextlib.contextmanager
@@ -446,62 +438,14 @@ def load_pt2_safely(path: str | os.PathLike, *, trust_pickle: bool = False) -> A
             f"torch.export.save archive never has ({shown}); loading it may run code from the file, so pass "
             "--trust-pickle (trust_pickle=True) only if you trust it"
         )
+    try:  # the custom operators its graph calls, registered by their installed library (custom_ops.py)
+        register_operators(graph_operators(_graph_bytes(data)))
+    except InputError as e:
+        raise InputError(f"model file {label}: {e}") from None
     guard = contextlib.nullcontext() if trust_pickle else _weights_only_loads()
     logged: list[BaseException] = []
     try:
-        with quiet_torch_export(), _logged_errors(logged), guard:
+        with quiet_torch_export(), logged_errors(logged), guard:
             return torch.export.load(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - corrupt or foreign archive
-        raise InputError(f"model file {label} cannot be loaded with torch.export.load: {_load_failure(e, logged)}") from None
-
-
-_UNREGISTERED = re.compile(r"Deserializing (\S+?)\.? in pytree is not registered")
-
-
-@contextlib.contextmanager
-def _logged_errors(found: list[BaseException]) -> Iterator[None]:
-    """Collect the exceptions torch.export logs and prints nothing.
-
-    `torch.export.load` catches the error that stopped it, logs it as a warning of the `torch.export`
-    logger and raises a RuntimeError that only says to "check the warnings above"; its cause is in the
-    log record, not in the exception's chain. While the load runs, the logger's only handler is the one
-    that keeps them (torch gives it one that prints to stderr), and a command line's `logging.disable`,
-    which would drop the record before any handler sees it, is lowered to let warnings through.
-    """
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.exc_info and record.exc_info[1] is not None:
-                found.append(record.exc_info[1])
-
-    logger, handler = logging.getLogger("torch.export"), Keep(logging.WARNING)
-    saved = (logger.level, logger.propagate, logger.disabled, logger.handlers, logging.root.manager.disable)
-    logger.setLevel(logging.WARNING)
-    logger.propagate, logger.disabled, logger.handlers = False, False, [handler]
-    if saved[4] >= logging.WARNING:
-        logging.disable(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.setLevel(saved[0])
-        logger.propagate, logger.disabled, logger.handlers = saved[1], saved[2], saved[3]
-        logging.disable(saved[4])
-
-
-def _load_failure(e: BaseException, logged: list[BaseException]) -> str:
-    """What stopped torch.export.load, in one line: the logged cause when torch hid it, and what to do when
-    the program's inputs or outputs are a type registered with torch's pytree only by its own library."""
-    cause = next(iter(logged), None) or e.__cause__ or e
-    found = _UNREGISTERED.search(str(cause))
-    if found is None:
-        return _first_line(cause)
-    name = found.group(1)
-    return (
-        f"{_first_line(cause)} The program returns or takes a {name}, a type torch rebuilds only once its "
-        "library has registered it with torch's pytree (a transformers ModelOutput, on `import transformers`), "
-        "and the command line never imports a library a file names. Export the model so that it returns plain "
-        "tensors: `ckpt-planner export MODEL --input ... -o model.pt2` (Python: "
-        "`ckpt_planner.export_for_cli(model, inputs, 'model.pt2')`), which returns the loss alone when labels "
-        f"are given, else the logits or a tuple of tensors; or, in Python, register {name} before loading it "
-        "(for a transformers type, `import transformers` does)"
-    )
+        raise InputError(f"model file {label} cannot be loaded with torch.export.load: {load_failure(e, logged)}") from None
