@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import io
 import json
 import os
+import re
 import stat
+import sys
 import tempfile
 import types
 from collections.abc import Mapping
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..capture.pt2.archive import quiet_torch_export
+from ..capture.pt2.load_errors import quiet_torch_export
 from ..errors import InputError, OutputError
 from ..model_state import ModelState
 from ..plan_schema import not_a_file
@@ -132,6 +135,26 @@ def _ours(e: BaseException) -> InputError | None:
     return None
 
 
+def _why_not(e: BaseException) -> str:
+    """Why torch.export failed, in one line; for a branch on a value the data decides (`Eq(u0, 1)` on a
+    boolean mask's count), what to do instead: the API plans such a model, the command line needs a saved
+    program."""
+    seen, chain = set(), []
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    guard = next((c for c in chain if type(c).__name__ == "GuardOnDataDependentSymNode"), None)
+    if guard is None:
+        return _first_line(chain[0])
+    # torch's text: "Could not guard on data-dependent expression Eq(u0, 1) (unhinted: ...).  (Size-like ...)"
+    found = re.search(r"data-dependent expression (.+?) \(unhinted", str(guard))
+    expr = found.group(1)[:120] if found else "a size"
+    return (f"its code branches on {expr}, where u0 is a value the data decides (a boolean mask's count, a "
+            "tensor's item), and a saved program cannot branch; plan it in Python instead: "
+            "ckpt_planner.optimize(model, inputs, activation_budget=...)")
+
+
 def export_program(model: torch.nn.Module, example_inputs: Any, *, returns: str = "auto",
                    train: bool = True) -> tuple[torch.export.ExportedProgram, str]:
     """(the program, which of RETURNS it returns): `model` exported with torch.export in training mode
@@ -144,14 +167,18 @@ def export_program(model: torch.nn.Module, example_inputs: Any, *, returns: str 
     with ModelState(model).preserved():
         model.train(train)
         wrapped = _PlainOutputs(model, returns)
+        # torch.export prints the partial graph of a failed trace to stderr (a plain print, not a log record);
+        # what the trace prints is held, and shown only when it succeeds (the model's own warnings)
+        printed = io.StringIO()
         try:
-            with quiet_torch_export():
+            with quiet_torch_export(), contextlib.redirect_stderr(printed):
                 program = torch.export.export(wrapped, args, kwargs)
         except Exception as e:  # noqa: BLE001 - the model's code, traced by torch: report its first line
             ours = _ours(e)
             if ours is not None:
                 raise InputError(str(ours)) from None
-            raise InputError(f"model: torch.export cannot export it with these inputs: {_first_line(e)}") from None
+            raise InputError(f"model: torch.export cannot export it with these inputs: {_why_not(e)}") from None
+    sys.stderr.write(printed.getvalue())
     foreign = _foreign_types(program.call_spec.in_spec)
     if foreign:
         raise InputError(f"inputs: they hold {', '.join(foreign)}, which torch.export.load cannot rebuild where "

@@ -200,3 +200,24 @@ def test_public_name() -> None:
     import ckpt_planner
 
     assert "export_for_cli" in ckpt_planner.__all__ and ckpt_planner.export_for_cli is export_for_cli
+
+
+class _MaskBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)[mask]  # u0 rows: as many as the mask selects
+        return y.sum() if y.shape[0] == 1 else y.mean()  # a branch on Eq(u0, 1)
+
+
+def test_branch_on_a_data_dependent_size_is_one_line_with_what_to_do(tmp_path, capfd) -> None:
+    x, mask = torch.randn(8, 4), torch.arange(8) % 2 == 0
+    with pytest.raises(InputError) as refused:
+        export_for_cli(_MaskBranch(), (x, mask), tmp_path / "model.pt2")
+    line = str(refused.value)
+    assert "\n" not in line and "Eq(u0, 1)" in line and "ckpt_planner.optimize" in line, line
+    assert "Size-like symbols" not in line and len(line) < 400, line
+    assert capfd.readouterr().err == ""  # torch's own report of the failed trace stays off the terminal
+    assert list(tmp_path.iterdir()) == []
