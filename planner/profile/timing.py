@@ -20,7 +20,9 @@
   (choose/race/calibration.py) measures the policy's cost again on the model's own ops, which cost
   more per op.
 * `step_times`: the eager model's step and the captured graph's (and the calibration's checkpointed
-  graphs), so that the predicted step time counts the graph's own overhead.
+  graphs), so that the predicted step time counts the graph's own overhead. Whole steps and the call
+  costs' tiny steps are timed on `step_clock`: on a one-thread CPU the thread's CPU time, which the
+  machine's load does not inflate (per-node times, a fraction of a scheduler slice each, stay near it).
 
 Nothing here lowers a plan: what runs a region under the selective policy (`probe`, lower/selective.py's
 `dispatch_probe_contexts`) and which nodes a policy may keep (`flags`, its `saveable_flags`) are
@@ -52,6 +54,7 @@ __all__ = [
     "call_timings",
     "call_costs",
     "step_times",
+    "step_clock",
     "quantize",
     "finish_profile",
     "node_kind",
@@ -182,15 +185,26 @@ def estimated_times(
     return out
 
 
-def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock whole steps are timed on (seconds): on a CPU running torch on one thread, the calling thread's
+    CPU time, since the forward and the backward both run on that thread and other processes' load adds
+    little to it (it adds two to four times the step's own work in wall time on a shared 2-core machine, while the
+    per-node times, each a fraction of a scheduler slice, stay near it); else the wall clock (a device runs
+    asynchronously, and torch's worker threads do work this thread's clock does not see)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> float:
     best = math.inf
     fn()
     for _ in range(TIMED_STEPS):
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -207,7 +221,7 @@ def call_timings(device: torch.device | str, probe: ContextFn) -> dict[str, floa
     checkpoint's context_fn that runs it so); `plain`, the ops without checkpointing; `forward`, their
     forward alone."""
     device = torch.device(device)
-    sync = _sync_for(device)
+    sync, clock = _sync_for(device), step_clock(device)
     x = torch.randn(8, device=device, requires_grad=True)
 
     def chain(t: torch.Tensor) -> torch.Tensor:
@@ -231,11 +245,11 @@ def call_timings(device: torch.device | str, probe: ContextFn) -> dict[str, floa
 
     def once() -> dict[str, float]:
         return {
-            "region": _timed(step(one), sync),
-            "each": _timed(step(each), sync),
-            "selective": _timed(step(one_selective), sync),
-            "plain": _timed(step(chain), sync),
-            "forward": _timed(lambda: chain(x), sync),
+            "region": _timed(step(one), sync, clock),
+            "each": _timed(step(each), sync, clock),
+            "selective": _timed(step(one_selective), sync, clock),
+            "plain": _timed(step(chain), sync, clock),
+            "forward": _timed(lambda: chain(x), sync, clock),
         }
 
     first, second = once(), once()
@@ -275,8 +289,8 @@ def step_times(
 ) -> tuple[float, ...]:
     """(eager step, captured graph's step, then each checkpointed graph's step) in seconds, the fastest of
     a few interleaved runs; zeros when a step cannot be run this way. The caller restores the model's
-    state (gradients, buffers, RNG)."""
-    sync = _sync_for(device)
+    state (gradients, buffers, RNG). Timed on `step_clock(device)`."""
+    sync, clock = _sync_for(device), step_clock(device)
     modules = [model, graph, *checkpointed]
 
     def run(mod) -> None:
@@ -291,10 +305,10 @@ def step_times(
         for _ in range(STEP_ROUNDS):
             for k, mod in enumerate(modules):
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 run(mod)
                 sync()
-                best[k] = min(best[k], time.perf_counter() - t0)
+                best[k] = min(best[k], clock() - t0)
     except Exception:  # noqa: BLE001 - a model whose step we cannot run here is planned without these figures
         return (0.0,) * len(modules)
     return tuple(best)
