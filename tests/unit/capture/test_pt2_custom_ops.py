@@ -95,3 +95,16 @@ def test_operator_transformers_registers_loads_where_transformers_is_not_importe
         assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "loaded"
 
+
+
+def test_torchs_unresolved_node_is_told_by_its_operator():
+    """Where the graph hides an operator from the look-up (JSON escapes), torch's SerializeError prints the
+    whole node; the line names the operator instead."""
+    from ckpt_planner.capture.pt2.load_errors import load_failure
+
+    node = "Failed deserializing node Node(target='torch.ops.cktest_absent.relu.default', inputs=[" + "x" * 5000
+    line = load_failure(RuntimeError(node), [])
+    assert "cktest_absent::relu" in line and "Node(" not in line and len(line) < 400, line
+    # a registered operator is not the cause: torch's own first line stays
+    registered = load_failure(RuntimeError("Failed deserializing node Node(target='torch.ops.aten.mm.default', x"), [])
+    assert registered.startswith("RuntimeError: Failed deserializing node Node(target='torch.ops.aten.mm"), registered
