@@ -103,7 +103,8 @@ def plan_captured(planner: Any, *, probe: bool = False, **budget: Any) -> Any:
     checked nor raced), `.probe` set on it; a plan that only sizes the loop's step costs no model step and
     little solving. Without one, the plan as optimize() makes it."""
     from ..api import Planner, optimize
-    from ..errors import CaptureError, InfeasibleBudgetError, PlannerError
+    from ..errors import CaptureError, PlannerError
+    from ..solvers.registry import InfeasibleBudgetError
     kwargs = {k: v for k, v in planner.optimize_kwargs.items() if k not in BUDGET_KEYS}
     race, _ = race_for_run(getattr(planner, "run_steps", None))
     if race is not None:
