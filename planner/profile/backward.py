@@ -7,6 +7,11 @@ is the peak its backward step reached over the simulator's figure for that step
 without checkpointing: pow's and log-softmax's gradient temporaries, gradient
 sums, a gradient kept alive by the narrow views cat's backward hands out.
 Gradients do not depend on the plan, so the excess is the same under every plan.
+
+One more thing the backward holds that no tensor counter sees: a Python number an op takes as a tensor
+(`x * 0.5` is `aten.mul.Tensor(x, 0.5)`) whose op's gradient needs it (`KeptScalars`). Torch makes it a
+0-dim tensor of its own before any dispatch mode sees the call, and autograd keeps it past every
+saved-tensor hook, so a checkpoint region never frees it either: it is counted as resident.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import dataclasses
 import gc
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..capture.trace import _key_line
 from ..solvers.simulate import simulate
@@ -28,23 +34,135 @@ from .graph import CostGraph
 from .loss import default_loss
 from .memory import AllocatorMeter, LiveMemory, alive, storage_key
 
-if TYPE_CHECKING:
-    from .record import CostProfiler
-
-__all__ = ["BackwardPeaks", "measure_backward", "with_backward_temps"]
+__all__ = ["BackwardPeaks", "KeptScalars", "measure_backward", "with_backward_temps"]
 
 
 class BackwardPeaks(dict):
     """Per fx node, the peak bytes live during its backward step; `handed_on`: the nodes whose output
-    gradient is one storage with another node's gradient in the backward that was measured."""
+    gradient is one storage with another node's gradient in the backward that was measured;
+    `kept_scalars`: bytes of the numbers autograd keeps as tensors of their own (`KeptScalars`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.handed_on: set[str] = set()
+        self.kept_scalars = 0
 
 
-def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> BackwardPeaks:
-    """Run the step's backward once; per fx node, the peak bytes live during its backward step.
+_NUMBER = (bool, int, float, complex, torch.SymInt, torch.SymFloat, torch.SymBool)
+_KEPT: dict[tuple, int] = {}  # an op's signature -> bytes of the numbers its autograd node keeps
+
+
+class _Like:
+    """A tensor argument of a call, as its shape, dtype and requires_grad: what a probe makes on meta."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in t.shape)
+        self.dtype, self.requires_grad = t.dtype, t.requires_grad
+
+    def meta(self) -> torch.Tensor:
+        m = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        return m.requires_grad_() if self.requires_grad and (m.is_floating_point() or m.is_complex()) else m
+
+
+class KeptScalars(TorchDispatchMode):
+    """Bytes per fx node of the Python numbers its ops take as tensors and autograd keeps for the backward.
+
+    Torch wraps such a number in a 0-dim tensor of its own (8 bytes for a float or an int) before any
+    dispatch mode sees the call (a mode is handed the number), and autograd saves it without calling any
+    saved-tensor hook: the live-storage counter, the profiler's pack hook and a checkpoint region all miss
+    it, and it stays until the node's backward. A GPT-J's tanh GELU keeps three per MLP (mul by 0.5,
+    0.044715 and sqrt(2/pi)), a chunked one three per chunk: 48 of them put a chunked step 144 B over the
+    prediction of a plan with no margin. Which arguments an op's gradient keeps is asked of autograd once
+    per signature: the op run on meta tensors of the same shapes, its saved values read back (the number
+    is the one saved tensor not on the meta device).
+
+    The recorder sets `node`; `settle()` (after the node, outside every dispatch mode) asks autograd about
+    the signatures seen for the first time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.node: str | None = None
+        self.bytes: dict[str, int] = {}
+        """fx node name -> bytes of the numbers its ops' autograd nodes keep."""
+        self._pending: list[tuple[str, Any, tuple, Any]] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def waiting(self) -> bool:
+        """Calls seen for the first time wait for `settle()`."""
+        return bool(self._pending)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.node is not None and torch.is_grad_enabled() and isinstance(func, torch._ops.OpOverload):
+            key = _signature(func, args, kwargs)
+            if key is not None:
+                if key in _KEPT:
+                    self.bytes[self.node] = self.bytes.get(self.node, 0) + _KEPT[key]
+                else:  # the tensors as templates: holding them would keep them alive past their last use
+                    like = pytree.tree_map_only(torch.Tensor, _Like, (args, kwargs))
+                    self._pending.append((self.node, func, key, like))
+        return func(*args, **kwargs)
+
+    def settle(self) -> None:
+        """Ask autograd what the calls seen for the first time keep (outside every dispatch mode)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        with _disable_current_modes():
+            for node, func, key, like in pending:
+                if key not in _KEPT:
+                    _KEPT[key] = _probe(func, key, like)
+                self.bytes[node] = self.bytes.get(node, 0) + _KEPT[key]
+
+
+def _signature(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The call's signature where it hands a Python number to a tensor argument and some tensor argument
+    needs a gradient (else autograd keeps nothing): the op, each argument's kind, dtype, requires_grad."""
+    numbers, grads = False, False
+    named = list(zip((a.name for a in func._schema.arguments), args)) + sorted(kwargs.items())
+    types = {a.name: str(a.type) for a in func._schema.arguments}
+    key: list[Any] = [func]
+    for name, v in named:
+        if isinstance(v, torch.Tensor):
+            grads = grads or v.requires_grad
+            key.append((v.dtype, v.requires_grad))
+        elif types.get(name) == "Tensor" and isinstance(v, _NUMBER):
+            numbers = True
+            key.append(type(v).__name__)
+        else:
+            key.append(repr(v)[:80])
+    return tuple(key) if numbers and grads else None
+
+
+def _probe(func: Any, key: tuple, like: Any) -> int:
+    """Bytes of the numbers `func`'s autograd node keeps for this signature (see KeptScalars). Where the op
+    cannot run on meta tensors, every number it was handed counts (8 bytes each: the most a real one takes
+    but a complex)."""
+    args, kwargs = pytree.tree_map_only(_Like, _Like.meta, like)
+    try:
+        with torch.enable_grad():
+            out = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel: count what it could keep
+        return 8 * sum(1 for k in key[1:] if k in ("bool", "int", "float", "complex", "SymInt", "SymFloat", "SymBool"))
+    kept = 0
+    for fn in {t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+        for name in dir(fn):
+            if not name.startswith("_saved_"):
+                continue
+            value = getattr(fn, name, None)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() == 0:
+                    kept += t.element_size()
+    return kept
+
+
+def measure_backward(gm: fx.GraphModule, prof: Any, fake_mode=None) -> BackwardPeaks:
+    """Run the step's backward once; per fx node, the peak bytes live during its backward step. `prof`:
+    the recording run's `record.CostProfiler` (not imported: record.py imports `KeptScalars` from here).
 
     Call after `_build`: the interpreter's references to the activations are dropped first, so
     what is live is what a training step holds (state, inputs, outputs, saved activations until
@@ -54,6 +172,8 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
     """
     out, prof.step_output = prof.step_output, None
     peaks = BackwardPeaks()
+    kept = prof.scalars.total if getattr(prof, "scalars", None) is not None else 0
+    peaks.kept_scalars = kept
     try:
         loss = default_loss(gm.graph.process_outputs(out))
     except (ValueError, TypeError, AttributeError):
@@ -100,7 +220,9 @@ def measure_backward(gm: fx.GraphModule, prof: CostProfiler, fake_mode=None) -> 
                     "predicted peaks may be a few % low",
                     stacklevel=2,
                 )
-                return BackwardPeaks()
+                unmeasured = BackwardPeaks()
+                unmeasured.kept_scalars = kept
+                return unmeasured
         if current[0] is not None:
             peaks[current[0]] = max(peaks.get(current[0], 0), mem.peak)
         for w in meter.windows():  # the allocator sees the backward's workspaces too
@@ -157,7 +279,17 @@ def with_backward_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
 
     Gradients do not depend on the plan, so the excess (temporaries, gradient sums, a gradient
     kept alive by views of it) is the same under any plan.
+
+    Then the numbers autograd keeps as tensors of their own (`BackwardPeaks.kept_scalars`, see
+    `KeptScalars`) are counted with the resident bytes: no checkpoint frees them, and neither the measured
+    backward nor the figure it is compared with above counts them, so they are added after the comparison.
     """
+    temps = _with_temps(cost, peaks)
+    kept = getattr(peaks, "kept_scalars", 0)
+    return dataclasses.replace(temps, param_bytes=temps.param_bytes + kept) if kept else temps
+
+
+def _with_temps(cost: CostGraph, peaks: dict[str, int]) -> CostGraph:
     if not peaks:
         return cost
     sim = [0] * len(cost.nodes)

@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..capture.rng import SeededOps, generator_states, mark_random, moved
 from ..errors import ProfileError
 from ..lower.selective import call_target, known_masks
+from .backward import KeptScalars
 from .memory import (
     AllocatorMeter,
     LiveMemory,
@@ -87,6 +88,8 @@ class CostProfiler(fx.Interpreter):
         self.real: Any = None
         """On fake tensors: the real values of nodes from the example inputs, where cheap (`RealValues.of`)."""
         self.running: fx.Node | None = None
+        self.scalars: Any = None
+        """The recording run's count of the Python numbers autograd keeps as tensors (backward.KeptScalars)."""
 
     def check_generators(self, following: str | None) -> None:
         """Close the generator watch of the node that ran last (its states against those before it) and
@@ -158,7 +161,7 @@ class CostProfiler(fx.Interpreter):
         before = self.mem.current
         self.mem.reset_peak()
         flops0 = self.flops.get_total_flops() if self.flops is not None else 0
-        for watcher in (self.seeded, self.watch, self.casts, self.sizes):
+        for watcher in (self.seeded, self.watch, self.casts, self.sizes, self.scalars):
             if watcher is not None:
                 watcher.node = n.name
         self.running = n
@@ -170,13 +173,17 @@ class CostProfiler(fx.Interpreter):
             raise ProfileError(f"node {n.name!r} ({n.op} {n.target}) failed: {first}") from e
         finally:
             self.running = None
-            for watcher in (self.seeded, self.watch, self.casts, self.sizes):
+            for watcher in (self.seeded, self.watch, self.casts, self.sizes, self.scalars):
                 if watcher is not None:
                     watcher.node = None
         flops = (self.flops.get_total_flops() - flops0) if self.flops is not None else 0
         self._own_grad_fns(n, out)
         self.mem.track(out)
         self.events[n.name] = (packed, self.mem.peak - before, self.mem.current - before, flops)
+        if self.scalars is not None and self.scalars.waiting:
+            if self.meter is not None:
+                self.meter.mark(_PROBE_WINDOW)  # the probes' own scalars in no node's window
+            self.scalars.settle()
         return out
 
 
@@ -226,6 +233,7 @@ def run_recording(gm: fx.GraphModule, flat: list[Any], *, count_flops: bool, all
             prof.casts = stack.enter_context(AutocastCasts(dtypes))
         if watch is not None:
             prof.watch = stack.enter_context(watch)
+        prof.scalars = stack.enter_context(KeptScalars())  # sees each call as the graph makes it
         prof.step_output = prof.run(*flat, enable_io_processing=False)
         prof.check_generators(None)
     mark_random(gm, prof.seeded.random, prof.seeded.unreplayable)
@@ -276,6 +284,7 @@ class AutocastCasts(TorchDispatchMode):
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _GENERATOR_WINDOW = "<generator states>"  # the allocator window of the generator snapshots (no node's)
+_PROBE_WINDOW = "<kept scalar probes>"  # the allocator window of KeptScalars' probes (no node's)
 
 
 def device_of(gm: fx.GraphModule, flat: list[Any]) -> torch.device:
