@@ -291,6 +291,21 @@ def _seed(t: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(t, memory_format=torch.contiguous_format)
 
 
+def _seeded_loss(roots: list[torch.Tensor]) -> torch.Tensor:
+    """A scalar whose backward hands each root the gradient `_seed` lays out, made by the backward itself
+    (the product's backward: ones times the seed), not handed in. A gradient handed in is held by the
+    backward call until it ends; the one a step's loss hands on goes once its last reader's backward is
+    done. Held, a stage's first node saw that gradient still live where the step had freed it: a frozen
+    convolution's backward, whose second input-sized buffer (oneDNN's, no tensor) the allocator shows at
+    the same time, then rose by the same 256 KB in both meters ([4, 16, 32, 32] fp32 under a LoRA) and
+    its workspace above the live tensors came out that much short."""
+    loss = None
+    for t in roots:
+        part = (t * _seed(t).detach()).sum()  # [t's shape] -> []: the seed is saved by the product alone
+        loss = part if loss is None else loss + part
+    return loss
+
+
 def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], meter: AllocatorMeter) -> dict[str, int]:
     """The span's backward from its boundary (gradients of ones, as a summed loss gives), in the meter that
     saw its forward; per node, how far the live tensors rose in its backward step (bytes)."""
@@ -298,12 +313,12 @@ def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any],
     if not roots:
         return {}
     meter.mark(_SEEDS)  # the seeds are no node's: the last node's window closes before them
-    grads = [_seed(t) for t in roots]
+    loss = _seeded_loss(roots)
     mem = LiveMemory()
     # Parameters and buffers are resident: a backward's view of a weight (a Linear's `t()`, 32 KB for a
     # 256 x 64 bf16 weight) is no new storage. Untracked, the live rise counted the weight, and the
     # allocator's workspace above it (oneDNN's bf16 matmul) came out that much short.
-    mem.track(list(env.values()), grads, list(runner.gm.parameters()), list(runner.gm.buffers()))
+    mem.track(list(env.values()), loss, list(runner.gm.parameters()), list(runner.gm.buffers()))
     rise: dict[str, int] = {}
     current: list[tuple[str, int] | None] = [None]
 
@@ -322,7 +337,7 @@ def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any],
     handles = [fn.register_prehook(lambda _g, name=name: enter(name)) for fn, name in owners.items()]
     try:
         with mem:
-            torch.autograd.backward(roots, grads)
+            loss.backward()
         close()
     except Exception:  # noqa: BLE001 - a stage whose backward fails here keeps its tensor figures
         return {}
