@@ -37,6 +37,12 @@ def plan_inexact(make: Callable[[bool], BasePlanner], request: PlanRequest) -> t
     planner = make(False)
     if not planner.chunks:
         raise exact_error
-    plan = planner.plan_for(request)
+    try:
+        plan = planner.plan_for(request)
+    except InfeasibleBudgetError as chunked_error:
+        # each names its own smallest budget; at the smaller one, its planner plans (the exact one first)
+        if exact_error.smallest_bytes < chunked_error.smallest_bytes:
+            raise exact_error from None
+        raise
     plan.notes = (*plan.notes, f"exact=False: token-wise work is chunked because the exact plan does not fit ({exact_error})")
     return plan, planner
