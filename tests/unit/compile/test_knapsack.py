@@ -133,6 +133,27 @@ def test_search_reports_none_when_even_recomputing_everything_is_over():
     assert best is None and log[-1]["saved_bytes"] == 0 and len(compiles) <= 6
 
 
+def test_search_stops_when_keeping_fewer_bytes_no_longer_lowers_the_peak():
+    """Past a floor the compiled peak rises as more is recomputed (inductor's own buffers): no more compiles."""
+    cands = _cands(1)
+    total = sum(c.nbytes for c in cands)
+    fixed, extra = 10**6, 50_000
+    floor = total // 2
+    compiles = []
+
+    def compile_measure(solver):
+        kept = solve_knapsack([c.nbytes for c in cands], [c.seconds for c in cands], solver.target_bytes)
+        solver.calls.append(KnapsackCall(cands, kept))
+        compiles.append(kept)
+        saved = sum(cands[i].nbytes for i in kept)
+        return object(), fixed + extra + max(saved, floor) + (total - saved) // 4, 0.0
+
+    best, log = KnapsackLowering(compile_measure, max_tries=5).fit(fixed + extra + floor // 2, fixed)
+    assert best is None and log[-1].get("stopped") and len(compiles) == len(log) < 6
+    assert log[-1]["saved_bytes"] < log[-2]["saved_bytes"]
+    assert log[-1]["measured_peak_bytes"] >= log[-2]["measured_peak_bytes"]
+
+
 # -- choosing a lowering ----------------------------------------------------------------------------
 
 def _model() -> nn.Module:
