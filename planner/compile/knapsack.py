@@ -16,7 +16,8 @@ given to the partitioner is only small enough that it always asks the solver. `K
 searches targets for a peak budget: it compiles and measures one step per target (through the
 callback it is given), from "keep every candidate" down (tighter while over the budget, looser while
 well under, bisecting between), and knows each target's choice before compiling it (the candidates do
-not depend on the target), so a target that would give a graph already measured is not compiled.
+not depend on the target), so a target that would give a graph already measured is not compiled. It stops
+when a tighter choice measures no lower than a looser one: from there inductor's buffers set the peak.
 
 Random draws are never recomputed. Compile's partitioner counts dropout among the ops a memory budget lets it
 recompute, and outside checkpoint regions nothing replays the forward's random state in the backward: a
