@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["ModelState", "rng_preserved"]
+__all__ = ["ModelState", "rng_preserved", "step_undone"]
 
 
 @contextlib.contextmanager
@@ -59,6 +59,28 @@ class ModelState:
                     p.grad = g
                 for m, mode in modes:
                     m.training = mode
+
+
+@contextlib.contextmanager
+def step_undone(module: object, params: list[torch.nn.Parameter], state: list[torch.Tensor]) -> Iterator[None]:
+    """Put back what a training step run inside changes: the buffers (BatchNorm's statistics; those in
+    `state` that are not `params`, and `module`'s where it is a module), the generators, and the gradients
+    of `params` (None). For a step run twice, once per meter, that must leave one step's effects."""
+    owned = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+    trained = {id(p) for p in params}
+    buffers = {id(t): t for t in [*state, *owned] if not isinstance(t, torch.nn.Parameter) and id(t) not in trained
+               and t.device.type != "meta" and not _is_fake(t)}
+    saved = [(t, t.detach().clone()) for t in buffers.values()]
+    with rng_preserved():
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, value in saved:
+                    if t.shape == value.shape:
+                        t.copy_(value)
+            for p in params:
+                p.grad = None
 
 
 def _is_fake(t: torch.Tensor) -> bool:

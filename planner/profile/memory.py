@@ -20,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..model_state import step_undone
 from ..progress import native_stderr_dropped
 
 __all__ = ["CUDA_BLOCK_BYTES", "ALLOCATOR_OVERHEAD", "EAGER_REDUCED_VIEWS", "EXPANDABLE_OVERHEAD", "SIZED_BY_KERNEL", "AllocatorMeter", "as_eager_storage", "allocator_limit", "block_bytes", "LiveMemory", "StepPeaks", "Window", "alive", "autocast_dtypes", "collections_of_new_objects", "device_room",
@@ -408,22 +409,27 @@ def measure_step_peaks(
     loss_fn: Callable[[Any], torch.Tensor],
     device: torch.device,
 ) -> tuple[StepPeaks, Any]:
-    """Run forward + backward once on both meters; return (peaks, output).
+    """Run forward + backward once per meter; return (peaks, the second step's output).
 
-    Both figures include the resident state and inputs (unique storages). Where the allocator
-    cannot be read (a profiler already running, an unsupported device), its figure is the live one.
+    Both figures include the resident state and inputs (unique storages). The allocator's step runs with no
+    dispatch mode on (under one, such as the live counter, a composite op's intermediates live longer: bf16
+    attention's CPU math path keeps one more fp32 copy of an input, 33 KB on a small BEiT); what it changed
+    (buffers, generators, gradients) is put back. No allocator to read (a profiler running): the live figure.
     """
     warm_device_libraries(device)
-    for p in params:
-        p.grad = None
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     mem = LiveMemory()
-    mem.track(state, inputs)
+    mem.track(state, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
     resident = mem.current  # bytes
-    fresh_autocast_cache()
-    with AllocatorMeter(device) as meter, mem:
-        out = module(*args, **kwargs)  # held through the backward, as the planner assumes
-        loss_fn(out).backward()
+    meter = AllocatorMeter(device)
+    for counter in (meter, mem) if meter.available else (mem,):
+        out = None  # the allocator's step's output is not held through the live counter's step
+        with step_undone(module, params, state) if counter is meter else contextlib.nullcontext():
+            for p in params:
+                p.grad = None
+            fresh_autocast_cache()
+            with counter:
+                out = module(*args, **kwargs)  # held through the backward, as the planner assumes
+                loss_fn(out).backward()
     allocator = resident + meter.peak if meter.available else mem.peak
     return StepPeaks(allocator=int(allocator), live=int(mem.peak)), out
 
