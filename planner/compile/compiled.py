@@ -50,7 +50,7 @@ from ..plan import Plan
 from ..settings import LOWERINGS, Budget, PlanRequest
 from ..solvers.registry import InfeasibleBudgetError
 from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
-from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend
+from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend, remembered
 
 __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "compile_saved_plan",
            "interleaved_step_times", "measure_compiled_step"]
@@ -317,7 +317,9 @@ class CompiledPlanner(BasePlanner):
 
             config = self.planner.setup.profile
             self._knapsack = KnapsackLowering(compile_measure, config=config,
-                                              max_tries=self.max_replans + self.max_loosen, slack=self.slack)
+                                              max_tries=self.max_replans + self.max_loosen, slack=self.slack,
+                                              memory=remembered(self.planner.model, cap, {**self.compile_options, "loss": self.loss_fn},
+                                                                 self.extra_bytes, config))
         return self._knapsack
 
     def _plan_regions(self, request: PlanRequest, resolved: ResolvedBudget) -> Plan:

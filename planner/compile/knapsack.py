@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from ..profile.profiler import ProfileConfig, _roofline
 from ..profile.record import flop_formulas
 
 __all__ = ["Candidate", "KeepRandomDraws", "KnapsackLowering", "KnapsackSolver", "KnapsackTry", "draws_random",
-           "inductor_backend", "solve_knapsack"]
+           "inductor_backend", "remembered", "solve_knapsack"]
 
 PARTITIONER_FRACTION = 1e-4
 """activation_memory_budget given to the partitioner: below every set it can reach without the
@@ -223,6 +224,25 @@ class KeepRandomDraws(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
+_REMEMBERED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, dict[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def remembered(model: torch.nn.Module, capture: Any, options: dict[str, Any], extra_bytes: int,
+               config: ProfileConfig | None) -> dict[int, int]:
+    """This process's {target bytes: measured peak} for `model` compiled from `capture` (its graph and inputs)
+    with these options, resident extra bytes and cost model, under inductor's `fallback_random` (aten's dropout
+    or inductor's own); kept while the model lives. A target gives the same choice each time (the candidates
+    and our costs do not change), so the same graph and the same peak."""
+    import torch._inductor.config as inductor_config
+
+    c = ProfileConfig.or_default(config)
+    shapes = tuple((tuple(t.shape), t.dtype) for t in pytree.tree_leaves((capture.args, capture.kwargs))
+                   if isinstance(t, torch.Tensor))
+    key = (capture.graph_module.code, shapes, repr(sorted(options.items())), extra_bytes, c.peak_flops,
+           c.bandwidth, inductor_config.fallback_random)
+    return _REMEMBERED.setdefault(model, {}).setdefault(key, {})
+
+
 def inductor_backend(solver: KnapsackSolver, options: dict[str, Any] | None = None) -> Callable:
     """A torch.compile backend: inductor with `solver` deciding what the partitioner recomputes, and no
     random draw recomputed (`KeepRandomDraws`, after any joint-graph pass `options` names).
@@ -263,7 +283,7 @@ class KnapsackLowering:
 
     def __init__(self, compile_measure: Callable[[KnapsackSolver], tuple[Any, int, float]], *,
                  config: ProfileConfig | None = None, backend: str = "auto", max_tries: int = 5,
-                 slack: float = 0.05) -> None:
+                 slack: float = 0.05, memory: dict[int, int] | None = None) -> None:
         self.compile_measure = compile_measure
         self.config = ProfileConfig.or_default(config)
         self.backend = backend
@@ -271,6 +291,9 @@ class KnapsackLowering:
         self.slack = slack
         self.candidates: tuple[Candidate, ...] | None = None
         self.tries: dict[frozenset[int] | None, KnapsackTry] = {}
+        self.memory = memory if memory is not None else {}
+        """{target bytes: measured peak} of earlier searches on the same graph (`remembered`): a budget that a
+        refusal named (the least peak measured) is met by compiling that target again, not by a new search."""
 
     @property
     def total_bytes(self) -> int:
@@ -294,6 +317,7 @@ class KnapsackLowering:
             self.candidates = call.candidates
             key = call.kept
         saved = call.saved_bytes if call is not None else 0
+        self.memory[target] = measured
         got = KnapsackTry(target, saved, call.recompute_s if call is not None else 0.0, measured, module, seconds)
         self.tries[key if call is not None else None] = got
         return got
@@ -330,7 +354,8 @@ class KnapsackLowering:
             over = [t for t in known if t.measured > budget and (lo is None or t.saved_bytes > lo.saved_bytes)]
             hi = min(over, key=lambda t: t.saved_bytes, default=None)
             if not known:
-                target = self.total_bytes if self.candidates is not None else 2**62  # keep every candidate
+                fitted = [t for t, m in self.memory.items() if m <= budget]  # the loosest remembered fit, if any
+                target = max(fitted) if fitted else self.total_bytes if self.candidates is not None else 2**62
             elif self.candidates is None or len(log) >= self.max_tries:
                 break
             elif lo is not None and (hi is None and lo.saved_bytes >= self.total_bytes

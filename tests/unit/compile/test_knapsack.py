@@ -148,10 +148,33 @@ def test_search_stops_when_keeping_fewer_bytes_no_longer_lowers_the_peak():
         saved = sum(cands[i].nbytes for i in kept)
         return object(), fixed + extra + max(saved, floor) + (total - saved) // 4, 0.0
 
-    best, log = KnapsackLowering(compile_measure, max_tries=5).fit(fixed + extra + floor // 2, fixed)
+    memory = {}
+    best, log = KnapsackLowering(compile_measure, max_tries=5, memory=memory).fit(fixed + extra + floor // 2, fixed)
     assert best is None and log[-1].get("stopped") and len(compiles) == len(log) < 6
     assert log[-1]["saved_bytes"] < log[-2]["saved_bytes"]
     assert log[-1]["measured_peak_bytes"] >= log[-2]["measured_peak_bytes"]
+
+    # The least peak measured (what the refusal names) is met again by a new search on the same graph in one
+    # compile: the remembered target, not a search whose path depends on the budget.
+    least = min(t["measured_peak_bytes"] for t in log)
+    compiles.clear()
+    again, log = KnapsackLowering(compile_measure, max_tries=5, memory=memory).fit(least, fixed)
+    assert again is not None and again.measured == least and len(compiles) == 1
+    compiles.clear()
+    fresh, _ = KnapsackLowering(compile_measure, max_tries=5).fit(least, fixed)  # without the memory: a new path
+    assert fresh is None or len(compiles) > 1
+
+
+def test_remembered_measurements_are_per_model_and_graph():
+    from ckpt_planner.compile.knapsack import remembered
+
+    a, b = _model(), _model()
+    cap = Planner(a, (torch.randn(4, 16),), profile_config=FLOP_TIMES).capture
+    mem = remembered(a, cap, {}, 0, FLOP_TIMES)
+    mem[100] = 5
+    assert remembered(a, cap, {}, 0, FLOP_TIMES) is mem
+    assert remembered(b, cap, {}, 0, FLOP_TIMES) == {}  # another model
+    assert remembered(a, cap, {"mode": "x"}, 0, FLOP_TIMES) == {}  # other options
 
 
 # -- choosing a lowering ----------------------------------------------------------------------------
