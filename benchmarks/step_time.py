@@ -265,7 +265,23 @@ def summary(rows: list[dict]) -> dict:
             out[f"{model_name}_{clock}"] = {
                 "measured": len(ratios), "within": sum(1 / WITHIN <= x <= WITHIN for x in ratios),
                 "median_ratio": statistics.median(ratios) if ratios else None}
+    out["region_fit"] = region_fit(rows)
     return out
+
+
+def region_fit(rows: list[dict]) -> dict | None:
+    """Least squares over every region measured alone (seconds, CPU): measured = a * predicted recompute
+    + b * predicted calls and hooks + c. A perfect model reads a = b = 1, c = 0; c is what one region costs the
+    step that no per-node time or per-call figure of the model charges."""
+    import numpy as np
+
+    pts = [(g["recompute_s"], g["call_s"] + g["hook_s"], g["measured_cpu_s"]) for r in rows if "error" not in r
+           for g in r["default_parts"]["regions"] if "measured_cpu_s" in g]
+    if len(pts) < 4:
+        return None
+    a = np.array(pts)
+    (rc, calls, fixed), *_ = np.linalg.lstsq(np.c_[a[:, :2], np.ones(len(a))], a[:, 2], rcond=None)
+    return {"regions": len(pts), "recompute": float(rc), "calls_hooks": float(calls), "per_region_s": float(fixed)}
 
 
 def _pct(x: float | None) -> str:
@@ -338,6 +354,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
             continue
         lines.append(f"- {what}: within {WITHIN}x on {c['within']} of {c['measured']} (median predicted/measured "
                      f"{_x(c['median_ratio'])}).")
+    fit = s.get("region_fit")
+    if fit:
+        lines.append(f"- Each region alone ({fit['regions']} regions, CPU time), least squares: measured = "
+                     f"{fit['recompute']:.2f} x predicted recompute + {fit['calls_hooks']:.2f} x predicted calls and "
+                     f"hooks + {1e3 * fit['per_region_s']:.2f} ms.")
     staged = [r for r in rows if r.get("bounded") is not None]
     if staged:
         lines += ["", "The stage-wise profile optimize() builds at the plan's budget (the plain step does not fit it: node "

@@ -79,3 +79,13 @@ def test_one_held_out_model_end_to_end():
     for key in ("flop", "default", "measured_cpu", "measured_wall", "measured_graph_cpu"):
         assert isinstance(row[key], float)
     assert row["default_parts"]["eager_step_s"] > 0
+
+
+def test_the_region_fit_recovers_a_fixed_cost_per_region():
+    regions = [{"recompute_s": rc, "call_s": c, "hook_s": 0.0, "measured_cpu_s": 0.5 * rc + 2 * c + 7e-4}
+               for rc, c in ((1e-3, 1e-4), (2e-3, 2e-4), (5e-4, 3e-4), (3e-3, 1e-4), (1e-4, 5e-4))]
+    fit = step_time.region_fit([{"default_parts": {"regions": regions}}, {"error": "timed out"}])
+    assert fit["regions"] == 5
+    assert fit["recompute"] == pytest.approx(0.5) and fit["calls_hooks"] == pytest.approx(2.0)
+    assert fit["per_region_s"] == pytest.approx(7e-4)
+    assert step_time.region_fit([{"default_parts": {"regions": regions[:2]}}]) is None  # too few to fit three terms
