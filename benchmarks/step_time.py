@@ -275,8 +275,8 @@ def region_fit(rows: list[dict]) -> dict | None:
     step that no per-node time or per-call figure of the model charges."""
     import numpy as np
 
-    pts = [(g["recompute_s"], g["call_s"] + g["hook_s"], g["measured_cpu_s"]) for r in rows if "error" not in r
-           for g in r["default_parts"]["regions"] if "measured_cpu_s" in g]
+    pts = [(g["recompute_s"], g["call_s"] + g["hook_s"], g["measured_cpu_s"]) for r in rows
+           for g in r.get("default_parts", {}).get("regions", ()) if "measured_cpu_s" in g]
     if len(pts) < 4:
         return None
     a = np.array(pts)
