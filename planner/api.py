@@ -100,7 +100,8 @@ def plan_model(model: Any, example_inputs: Any, setup: Setup, request: PlanReque
         return plan_collectively(lambda: plan_model(model, example_inputs, setup, request), Plan.from_dict,
                                  model, example_inputs, request.on_larger_shape)
     if not setup.exactness.exact:
-        return plan_inexact(lambda exact: Planner(model, example_inputs, setup=inexact_setup(setup, exact)), request)[0]
+        return plan_inexact(lambda exact: Planner(model, example_inputs, setup=inexact_setup(setup, exact)), request,
+                            lambda: plan_model(model, example_inputs, inexact_setup(setup, True), request))[0]
     if setup.compile.enabled:
         return plan_compiled(model, example_inputs, setup, request)
     try:

@@ -24,3 +24,26 @@ def test_the_refusal_names_the_smaller_floor(exact_floor, chunked_floor):
         plan_inexact(lambda exact: planners[exact], PlanRequest.of(budget_bytes=1_000_000))
     assert e.value.smallest_bytes == min(exact_floor, chunked_floor)
     assert f"({min(exact_floor, chunked_floor)} bytes" in str(e.value)
+
+
+def test_a_model_the_capture_cannot_take_whole_is_planned_in_parts_as_exact_plans_it():
+    """exact=False tries the exact plan first, the way exact=True plans it: a model with a branch on its values
+    (no whole graph) is planned in parts, where it used to be refused with the capture's error."""
+    import torch
+    from ckpt_planner import optimize, verify
+
+    from tests.support.profiles import FLOP_TIMES
+    from tests.unit.choose.test_partial import Branchy
+
+    torch.manual_seed(0)
+    model, x = Branchy(d=32, blocks=3), torch.randn(64, 16)
+    with pytest.raises(InfeasibleBudgetError) as refused:  # below every plan: the smallest budget is named
+        optimize(model, x, budget_bytes=1, profile_config=FLOP_TIMES, autotune=False, exact=False)
+    budget = refused.value.smallest_bytes
+    exact = optimize(model, x, budget_bytes=budget, profile_config=FLOP_TIMES, autotune=False)
+    plan = optimize(model, x, budget_bytes=budget, profile_config=FLOP_TIMES, autotune=False, exact=False)
+    assert plan.capture_method == exact.capture_method == "partial"
+    assert plan.stats["exact"] is False and plan.stats["chunks"] == []
+    assert plan.predicted_peak_bytes == exact.predicted_peak_bytes
+    report = verify(model, plan, x, repeats=1)
+    assert report.grads_equal and report.measured_peak_bytes <= plan.budget_bytes
