@@ -32,7 +32,6 @@ with more room, so it is no slower by the planner's model) is used for it.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,14 +48,11 @@ from ..lower.rewrite import rewrite
 from ..plan import Plan
 from ..settings import LOWERINGS, Budget, PlanRequest
 from ..solvers.registry import InfeasibleBudgetError
-from .compiled_measure import _device_of, _loss, interleaved_step_times, measure_compiled_step
+from .compiled_measure import _device_of, _loss, _quartiles, interleaved_step_times, measure_compiled_step
 from .knapsack import KnapsackLowering, KnapsackSolver, inductor_backend, remembered
 
 __all__ = ["LOWERINGS", "CompiledBudgetError", "CompiledPlanModule", "CompiledPlanner", "compile_plan_module", "compile_saved_plan",
            "interleaved_step_times", "measure_compiled_step"]
-
-"""How a plan becomes a compiled step: whole checkpoint regions, our knapsack inside the partitioner
-(planner/compile/knapsack.py), or both tried and the faster one that fits kept."""
 
 _MODEL_ITSELF = "plan.module is the model itself"  # lower/build.py's note on a plan with no regions
 
@@ -173,8 +169,13 @@ class CompiledPlanner(BasePlanner):
         """Optimizer state: resident, counted in the budget, not allocated by the step."""
         return int(getattr(self.planner.problem, "optimizer_bytes", 0) or 0)
 
-    def _compiled(self, plan: Plan) -> _Tried:
+    def _compiled(self, plan: Plan, budget: int | None = None) -> _Tried:
+        """The plan compiled and measured; not compiled (module None) where this process measured it over `budget`
+        before: a refusal's budget planned again meets the plans measured the first time."""
         key = (tuple(plan.spans()), tuple(plan.saved_indices()))
+        memory = self._memory("regions")
+        if key not in self._tried and budget is not None and memory.get(key, -1) > budget:
+            return _Tried(None, memory[key], 0.0)
         if key not in self._tried:
             cap = self.planner.capture
             t0 = time.perf_counter()
@@ -185,7 +186,13 @@ class CompiledPlanner(BasePlanner):
                 extra_bytes=self.extra_bytes, loss_fn=self.loss_fn,
             )
             self._tried[key] = _Tried(module, measured, time.perf_counter() - t0)
+            memory[key] = measured
         return self._tried[key]
+
+    def _memory(self, lowering: str) -> dict:
+        """This process's measured peaks of the model's compiled steps for one lowering (knapsack.remembered)."""
+        return remembered(self.planner.model, self.planner.capture, {**self.compile_options, "loss": self.loss_fn,
+                          "lowering": lowering}, self.extra_bytes, self.planner.setup.profile)
 
     def plan_for(self, request: PlanRequest) -> Plan:
         """A compiled plan whose measured peak is within the budget, lowered as `self.lowering` says; "best"
@@ -318,8 +325,7 @@ class CompiledPlanner(BasePlanner):
             config = self.planner.setup.profile
             self._knapsack = KnapsackLowering(compile_measure, config=config,
                                               max_tries=self.max_replans + self.max_loosen, slack=self.slack,
-                                              memory=remembered(self.planner.model, cap, {**self.compile_options, "loss": self.loss_fn},
-                                                                 self.extra_bytes, config))
+                                              memory=self._memory("knapsack"))
         return self._knapsack
 
     def _plan_regions(self, request: PlanRequest, resolved: ResolvedBudget) -> Plan:
@@ -339,7 +345,7 @@ class CompiledPlanner(BasePlanner):
         plan, target, tries, best = first, budget, [], None
         tries_spans = [first.spans()]
         for attempt in range(1 + self.max_replans):
-            tried = self._compiled(plan)
+            tried = self._compiled(plan, budget)
             tries.append({"planned_for_bytes": target, "predicted_peak_bytes": plan.predicted_peak_bytes,
                           "measured_peak_bytes": tried.measured, "regions": len(plan.regions)})
             if best is None or tried.measured < best[1].measured:
@@ -385,7 +391,7 @@ class CompiledPlanner(BasePlanner):
             if other.spans() == plan.spans() and other.saved_indices() == plan.saved_indices():
                 lo = up  # the same plan: a still looser target may change it
                 continue
-            t = self._compiled(other)
+            t = self._compiled(other, budget)
             tries.append({"planned_for_bytes": up, "predicted_peak_bytes": other.predicted_peak_bytes,
                           "measured_peak_bytes": t.measured, "regions": len(other.regions), "looser": True})
             if t.measured > budget:
@@ -490,11 +496,3 @@ def compile_saved_plan(model: torch.nn.Module, plan: Plan, example_inputs: Any =
 def _in_bytes(request: PlanRequest, nbytes: int) -> PlanRequest:
     """`request` with its budget `nbytes` bytes (a tighter or looser target; the same safety margin)."""
     return request.replace(budget=Budget(nbytes=nbytes, safety_margin=request.budget.safety_margin))
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    """First quartile, median, third quartile."""
-    if len(xs) < 2:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]

@@ -3,6 +3,7 @@ choosing between compiled modules interleaved step times, and the summary rows o
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,3 +99,11 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     for t in (*model.parameters(), *model.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]

@@ -105,7 +105,7 @@ def scale(monkeypatch):
     """Each plan 'compiles' to its eager module and 'measures' its predicted peak times `scale[0]`."""
     factor = [1.0]
 
-    def compiled(self, plan):
+    def compiled(self, plan, budget=None):
         return compiled_mod._Tried(plan.module, int(plan.predicted_peak_bytes * factor[0]), 0.0)
 
     monkeypatch.setattr(CompiledPlanner, "_compiled", compiled)
@@ -154,6 +154,24 @@ def test_budget_never_met_compiled_raises_one_clear_line(stand_in):
     assert isinstance(info.value, InfeasibleBudgetError) and "\n" not in msg
     assert "under torch.compile" in msg and "raise the budget" in msg
     assert info.value.smallest_bytes > info.value.budget_bytes
+
+
+def test_plans_measured_over_a_budget_are_not_compiled_again_for_it(monkeypatch):
+    """A refusal's budget planned again (a new CompiledPlanner on the same model, in the same process) does not
+    compile again the plans this process measured over it: only the plans it had not measured."""
+    planner = Planner(_model(), (torch.randn(32, 64, 16),), profile_config=FLOP_TIMES)
+    base, fixed = planner.baseline_peak_bytes, planner.problem.fixed_bytes
+    compiles = []
+    monkeypatch.setattr(compiled_mod, "compile_plan_module", lambda module, **kw: module)
+    monkeypatch.setattr(compiled_mod, "measure_compiled_step", lambda *a, **k: compiles.append(1) or 3 * base)
+    budget = int(fixed + 0.5 * (base - fixed))
+    with pytest.raises(CompiledBudgetError) as first:
+        CompiledPlanner(planner, lowering="regions").plan(budget_bytes=budget)
+    assert compiles
+    compiles.clear()
+    with pytest.raises(CompiledBudgetError) as again:
+        CompiledPlanner(planner, lowering="regions").plan(budget_bytes=budget)
+    assert not compiles and again.value.smallest_bytes == first.value.smallest_bytes == 3 * base
 
 
 def test_sweep_gives_a_tighter_budget_the_looser_plan_when_it_measures_lower(monkeypatch, stand_in):

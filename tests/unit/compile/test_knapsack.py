@@ -256,7 +256,7 @@ def test_best_resolves_the_budget_once_and_plans_regions_from_the_request(monkey
     monkeypatch.setattr(compiled_mod, "budget_of", counted(compiled_mod.budget_of))
     # no compile: the plan's eager module stands in, measured at its predicted peak
     monkeypatch.setattr(CompiledPlanner, "_compiled",
-                        lambda self, plan: compiled_mod._Tried(plan.module, plan.predicted_peak_bytes, 0.0))
+                        lambda self, plan, budget=None: compiled_mod._Tried(plan.module, plan.predicted_peak_bytes, 0.0))
     monkeypatch.setattr(CompiledPlanner, "_plan_knapsack", lambda self, b, r: knapsack)
     monkeypatch.setattr(compiled_mod, "interleaved_step_times",
                         lambda mods, *a, **k: {"regions": [0.01], "knapsack": [0.02]})
