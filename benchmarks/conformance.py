@@ -69,6 +69,9 @@ SLOW_CAPTURE = {"swin": 3.0}
 """Timeout factors. Swin's capture is torch.export with every input dimension symbolic (capture/shapes.py), and
 its window padding and partition reshapes put sympy's simplifier in the middle of every view: 230 s of a 240 s
 cell on a loaded 2-core machine, and a refusal's re-plan at its named budget captures again."""
+CAPTURES = {"inexact": 2}
+"""Captures per planning call where it is more than one (exact=False captures for the exact plan, then again
+for the chunked one): a slow capture's factor applies to each."""
 FRACTION = 0.5
 INEXACT_FRACTION = 0.3
 
@@ -459,7 +462,8 @@ def run_matrix(cells: list[tuple[str, str]], jobs: int, on_row) -> None:
             proc = ctx.Process(target=_child, args=(name, path, send), daemon=False)
             proc.start()
             send.close()
-            limit = TIMEOUT_S.get(path, DEFAULT_TIMEOUT_S) * SLOW_CAPTURE.get(name, 1.0)
+            slow = SLOW_CAPTURE.get(name, 1.0)
+            limit = TIMEOUT_S.get(path, DEFAULT_TIMEOUT_S) * slow * (CAPTURES.get(path, 1) if slow > 1 else 1)
             running[(name, path)] = (proc, recv, time.monotonic(), limit)
         for key, (proc, recv, start, limit) in list(running.items()):
             row = None
