@@ -129,6 +129,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
                              f"plans with regions, {c['measured_5pct']} measured at least 5 % slower than the plain "
                              f"step; the prediction (from the cells' FLOP-based times, not times measured here) is within 1.5x on {c['within_1_5x']} of them (median "
                              f"predicted/measured {c['median_ratio']:.2f}){noise}.")
+    lines.append("The FLOP-based times these cells plan on are the fallback, not the step-time model a user gets by "
+                 "default: that one, the measured profile, is judged on the held-out rows by `python -m "
+                 "benchmarks.step_time` ([step_time.md](step_time.md)).")
     fails = [r for r in rows if r["status"] == "FAIL"]
     if fails:
         lines += ["", "## FAIL", ""]
