@@ -106,6 +106,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "from the planner's own errors), SKIP (the path does not apply), FAIL; then the prediction error "
         "(predicted - measured) / measured of the allocator's peak, and the planning time (FLOP-based times, "
         "no autotune race). Compiled cells show no prediction error: they are judged on their measured peak.",
+        *(["", meta["note"]] if meta.get("note") else []),
         "",
         "## Counts", "", *_counts(rows, paths), "",
         f"## Architectures used while tuning the planner ({len(tuned)})", "", *_table(rows, tuned, paths), "",
