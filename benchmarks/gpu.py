@@ -25,6 +25,9 @@ leaves the rows it wrote, and the next one starts clean):
   alone fits, and halfway from there to the lowest one offload fits: our best recompute-only plan against
   ours with offload (host copy bandwidth measured; simulated in the dry run) and transformers' offload
   option where it has one; peaks, bitwise gradients, predicted and measured steps.
+- `conformance`: the conformance matrix's held-out models (then a few others) planned as a user plans them on
+  the device, in fp32, bf16 autocast and the whole model in bf16: peaks, gradients and the step-time model
+  (benchmarks/gpu_conformance.py).
 
     python -m benchmarks.gpu                  # on a CUDA device: every section, at most 15 minutes (LIMITS)
     python -m benchmarks.gpu --sections offload,cap,zoo --limits zoo=240   # what a 15-minute device loan holds
@@ -55,18 +58,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import gpu_conformance
 from ._io import out_dir, write_files
+from .gpu_conformance import section_conformance  # noqa: F401 - a section, found by name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast")
+SECTIONS = ("env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast", "conformance")
 
 # Seconds each section may take on the device, in the order they run (at most 15 minutes in all). The
 # dry run takes its own, larger limits: it runs on 2 busy CPU cores.
 LIMITS = {"env": 15, "cap": 60, "cap_segments": 60, "frontier": 190, "zoo": 170, "tests": 30, "compile": 55,
-          "offload": 240, "autocast": 60}
+          "offload": 240, "autocast": 60, "conformance": 240}
 DRY_LIMITS = {"env": 60, "cap": 240, "cap_segments": 240, "frontier": 240, "zoo": 240, "tests": 120, "compile": 240,
-              "offload": 240, "autocast": 180}
+              "offload": 240, "autocast": 180, "conformance": 240}
 DRY_BANDWIDTH = (1e10, 1e10)
 """The dry run's simulated host copy bandwidth (bytes/s each way): the CPU has none to measure."""
 # cap_segments: the cap section again under the allocator setting that stops fragmentation (read when CUDA
@@ -987,13 +992,14 @@ def markdown(results: dict) -> str:
                                      ("early_stop_off_bytes", r["predicted_bytes"]))]
             out.append(f"| {r['model']} | {r['regions']} | {r['predicted_bytes'] / 1e3:,.1f} | {held / 1e3:,.1f} "
                        f"| {r['cast_bytes'] / 1e3:,.1f} | " + " | ".join(cells) + " |")
+    out += gpu_conformance.markdown(secs.get("conformance", {}).get("rows", []))
     errors = [(n, r) for n, sec in secs.items() for r in sec.get("rows", []) if "section_error" in r]
     if errors:
         out += ["", "## Errors", ""] + [f"- {n}: {r['section_error']}" for n, r in errors]
     return "\n".join(out) + "\n"
 
 
-ROW_KEYS = {"zoo": ("model", "precision"), "autocast": ("model",)}
+ROW_KEYS = {"zoo": ("model", "precision"), "autocast": ("model",), "conformance": ("model", "path")}
 """Sections whose rows each stand alone (one model each): merged row by row, so that a run that reached a few
 models keeps the earlier runs' figures for the others."""
 

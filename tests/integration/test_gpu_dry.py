@@ -18,7 +18,8 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu-dry.json").read_text())
     sections = results["sections"]
-    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast"]
+    assert list(sections) == ["env", "cap", "cap_segments", "frontier", "zoo", "tests", "compile", "offload", "autocast",
+                             "conformance"]
     assert all(s["status"] == "ok" for s in sections.values())
     assert "# On the GPU" in (tmp_path / "gpu-dry.md").read_text()
 
@@ -41,6 +42,13 @@ def test_the_dry_run_runs_every_section_and_its_plans_hold(tmp_path):
     for r in sections["autocast"]["rows"]:  # bf16 autocast on the CPU: the peak as predicted, measured each way
         for way in ("default_bytes", "caller_thread_bytes", "early_stop_off_bytes"):
             assert abs(r["predicted_bytes"] - r[way]) <= 0.01 * r[way], r
+    conf = [r for r in sections["conformance"]["rows"] if "model" in r]  # held-out models, planned as a user plans
+    assert {(r["model"], r["path"]) for r in conf} == {("tv_vgg", p) for p in ("fp32", "bf16_autocast", "bf16_model")} | {
+        ("albert", "fp32")}
+    assert not [r for r in conf if r.get("failed")], conf
+    for r in conf:  # the stage-wise profile below the plain step; the step timed for the step-time model
+        assert r["profile"] == "stages" and r["exact"] and r["plain_ms"] > 0 and r["ours_ms"] > 0, r
+    assert all(r["within_budget"] for r in conf if r["path"] == "fp32")
 
 
 def check_offload_rows(rows: list[dict]) -> None:
