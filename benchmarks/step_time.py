@@ -205,8 +205,13 @@ def run_model(name: str, repeats: int = REPEATS, per_region: bool = True, bounde
     }
     if bounded:  # the profile optimize() builds at this budget: stage by stage, no whole step timed
         at = Planner(model, inputs, profile_config=ProfileConfig(), feasible_for={"budget_bytes": plan.budget_bytes})
-        row["bounded"] = predicted(at.problem, *plan_on(at.problem, [n.name for n in at.cost.nodes], plan))["overhead"]
-        row["bounded_stages"] = len(at.cost.stages)
+        parts = predicted(at.problem, *plan_on(at.problem, [n.name for n in at.cost.nodes], plan))
+        row["bounded"], row["bounded_stages"], row["bounded_scale"] = parts["overhead"], len(at.cost.stages), \
+            at.cost.recompute_scale
+        row["bounded_parts"] = {k: v for k, v in parts.items() if k != "regions"}
+        if parts["overhead"] is not None:
+            row["extra_s"]["bounded"] = (parts["overhead"] - parts["graph"]) * parts["eager_step_s"]
+        row["eager_s"]["bounded"] = parts["eager_step_s"]
     for model_name in PREDICTIONS:
         for clock in ("cpu", "wall"):
             row[f"{model_name}_over_{clock}"] = ratio(row.get(model_name), row[f"measured_{clock}"])
@@ -362,9 +367,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
     staged = [r for r in rows if r.get("bounded") is not None]
     if staged:
         lines += ["", "The stage-wise profile optimize() builds at the plan's budget (the plain step does not fit it: node "
-                  "times from each stage's own step, no whole step timed, so no calibration and an eager step of three "
-                  "forwards): " + ", ".join(f"{r['model']} {_pct(r['bounded'])} ({_x(r['bounded_over_cpu'])} of CPU)"
-                                            for r in staged) + "."]
+                  "times from each stage's own step, the eager step as the node times and each stage's measured "
+                  "backward, calibrated on the step checkpointed per block; no plain step timed), predicted overhead, "
+                  "predicted / measured CPU, and its eager step and extra (ms) and node-time factor: "
+                  + ", ".join(f"{r['model']} {_pct(r['bounded'])} ({_x(r['bounded_over_cpu'])}; eager "
+                              f"{_ms(r['eager_s'].get('bounded'))}, extra {_ms(r['extra_s'].get('bounded'))}, "
+                              f"x{r.get('bounded_scale', 1.0):.2f})" for r in staged) + "."]
     errors = [r for r in rows if "error" in r]
     if errors:
         lines += ["", f"{len(errors)} model(s) gave no figures: " + "; ".join(f"{r['model']}: {r['error']}"

@@ -178,8 +178,9 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
     logger.info("profile: %d nodes%s, %.1f MB saved for backward, forward %.1f ms (%s)", len(cost.nodes),
                 f" in {len(cost.stages)} stages" if cost.stages else "", cost.total_saved_bytes / 1e6,
                 cost.total_time * 1e3, cost.time_source)
-    if step_times is not None and whole and config.overheads and cost.time_source != "flops":  # FLOP times: no step
-        with stage("step times", "the eager step, the captured graph and one calibration step"):
+    if step_times is not None and (whole or cost.stages) and config.overheads and cost.time_source != "flops":
+        with stage("step times", "one calibration step" if cost.stages else
+                   "the eager step, the captured graph and one calibration step"):  # FLOP times: no step
             cost = step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
     PROFILES.put(memo, cost)
     return cost

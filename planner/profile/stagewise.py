@@ -5,6 +5,7 @@ temporaries) come from one run on fake tensors at the real shapes (profiler.py, 
 What only real kernels show is measured here, a stage at a time:
 
 - each node's time (timed runs, as the whole-graph profile times them);
+- each stage's backward (its last timed runs run it, on the step clock): with the node times, the eager step;
 - the allocator's peak while a node runs above what it leaves (kernel workspaces: oneDNN, BLAS packing);
 - the allocator's peak in each node's backward step above the live tensors (the backward's workspaces);
 - which nodes draw random numbers where fake tensors cannot show it (a custom kernel moving a generator).
@@ -48,7 +49,7 @@ from ..capture.rng import RANDOM_META, UNREPLAYABLE_META, SeededOps, generator_s
 from .graph import CostGraph
 from .memory import AllocatorMeter, LiveMemory
 from .record import CostProfiler, strided_tensors
-from .timing import robust_times, with_fastest
+from .timing import robust_times, step_clock, step_sync, with_fastest
 
 __all__ = ["StageFigures", "stage_spans", "stage_key", "measure_stages", "with_stage_figures"]
 
@@ -111,6 +112,9 @@ class StageFigures:
     """Nodes seen drawing random numbers on real tensors."""
     unreplayable: set[str] = field(default_factory=set)
     """Nodes whose draw a recompute cannot replay (capture/rng.py)."""
+    backward: dict[int, float | None] = field(default_factory=dict)
+    """Per stage (its index in the spans): its backward from its boundary, the fastest of its timed runs on
+    the step clock (seconds); None where it failed. Empty when the profile takes its times from FLOPs."""
 
 
 def _detached(value: Any) -> Any:
@@ -275,6 +279,7 @@ class _StageRunner:
         return out
 
 
+BACKWARD_ROUNDS = 3  # the last timed runs of a measured stage that also run its backward, timed
 _BACKWARD = "backward of "  # the allocator window of a node's backward step
 _SEEDS = "<the boundary's gradients>"  # the allocator window where the backward's seeds are made
 
@@ -348,6 +353,36 @@ def _backward(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any],
     return rise
 
 
+def _backward_time(runner: _StageRunner, k: int, span: Span, env: dict[fx.Node, Any], params: list[torch.Tensor],
+                   device: torch.device) -> float | None:
+    """Seconds of the span's backward from its boundary, on the step clock (the parameters' gradients made
+    afresh, as a step's first backward makes them); 0 with no boundary to start from; None where it fails.
+
+    Less what a stage's own backward pays and the step's does not: starting the engine once per stage, and
+    the seeded loss's backward (a product and a sum per boundary output: tens of microseconds a stage on a
+    1-thread CPU at GPT-2's layer outputs), timed alone on leaves of the same values."""
+    roots = runner.boundary(k, span, env)
+    if not roots:
+        return 0.0
+    sync, clock = step_sync(device), step_clock(device)
+
+    def timed(loss: torch.Tensor) -> float:
+        sync()
+        t0 = clock()
+        loss.backward()
+        sync()
+        return clock() - t0
+
+    for p in params:
+        p.grad = None
+    try:
+        whole = timed(_seeded_loss(roots))
+        alone = timed(_seeded_loss([t.detach().requires_grad_(True) for t in roots]))
+    except Exception:  # noqa: BLE001 - no backward time: the profile keeps the estimate without it
+        return None
+    return max(0.0, whole - alone)
+
+
 def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGraph, *, device: torch.device,
                    warmup: int, repeats: int, timed: bool, allocator: bool) -> StageFigures:
     """Run the graph a stage at a time on real tensors (see the module docstring). `bytes_cost`: the fake
@@ -357,7 +392,7 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
     if device.type == "cuda":
         runner.interp.sync = lambda: torch.cuda.synchronize(device)
     figures = StageFigures()
-    first: dict[tuple, Span] = {}
+    first: dict[tuple, tuple[int, Span]] = {}
     copies: list[tuple[list[fx.Node], list[fx.Node]]] = []
     params = [p for p in gm.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
@@ -366,11 +401,12 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
             key = stage_key(bytes_cost, span)
             if key in first:  # measured already: forward only, for the values the next spans read
                 env = runner.watched(span, figures)
-                copies.append((runner.nodes(first[key]), runner.nodes(span)))
+                copies.append((runner.nodes(first[key][1]), runner.nodes(span)))
+                figures.backward[k] = figures.backward.get(first[key][0])
                 runner.keep(k, span, env)
                 del env  # its graph and saved tensors: not held into the next stage
                 continue
-            first[key] = span
+            first[key] = (k, span)
             figures.measured += 1
             # runs after the first start from the values the first read, where the span writes into them
             before = runner.snapshot(runner.written(span))
@@ -381,7 +417,12 @@ def measure_stages(gm: fx.GraphModule, flat: Sequence[Any], bytes_cost: CostGrap
                         for n in runner.nodes(span):
                             runner.interp.times.pop(n.name, None)
                     runner.restore(before)
-                    runner.run(span)
+                    env = runner.run(span)
+                    if i >= warmup + repeats - BACKWARD_ROUNDS:  # the stage's step: what its backward takes
+                        t = _backward_time(runner, k, span, env, params, device)
+                        was = figures.backward.get(k, t)
+                        figures.backward[k] = None if t is None or was is None else min(was, t)
+                    del env
             runner.restore(before)
             del before  # not held through the metered run
             # One meter for the stage's forward and backward: every block it sees freed, it saw allocated
@@ -431,7 +472,12 @@ def _copy(figures: StageFigures, copies: list[tuple[list[fx.Node], list[fx.Node]
 
 def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span, ...]) -> CostGraph:
     """The fake profile `cost` with the stages' real figures: measured times (where timed), forward
-    temporaries at least the allocator's, and the backward's workspaces added to its temporaries."""
+    temporaries at least the allocator's, and the backward's workspaces added to its temporaries.
+
+    Where timed, the eager step (`step_time_s`) is the nodes' forward times and every stage's measured
+    backward, summed: the plain step is never run, and a backward is not twice a forward (a layer norm's or
+    an attention's costs more, a frozen layer's none). choose/race/calibration.py calibrates it and the
+    node times on a step checkpointed per block, where that step fits the device."""
     times = robust_times(figures.times) if figures.times else {}
     state = rng_state_bytes(torch.device(cost.device))
     nodes = tuple(
@@ -448,4 +494,7 @@ def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span
     cost = replace(cost, nodes=nodes, stages=spans)
     if figures.times:
         cost = with_fastest(replace(cost, time_source="measured"), figures.times)
+        backward = [figures.backward.get(k) for k in range(len(spans))]
+        if all(t is not None for t in backward):  # the eager step, stage by stage: its forward and its backward
+            cost = replace(cost, step_time_s=cost.total_time + sum(backward))
     return cost

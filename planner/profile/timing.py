@@ -23,6 +23,7 @@
   graphs), so that the predicted step time counts the graph's own overhead. Whole steps and the call
   costs' tiny steps are timed on `step_clock`: on a one-thread CPU the thread's CPU time, which the
   machine's load does not inflate (per-node times, a fraction of a scheduler slice each, stay near it).
+  A stage-wise profile, whose plain step does not fit, times only checkpointed graphs (`timed_steps`).
 
 Nothing here lowers a plan: what runs a region under the selective policy (`probe`, lower/selective.py's
 `dispatch_probe_contexts`) and which nodes a policy may keep (`flags`, its `saveable_flags`) are
@@ -34,7 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +55,8 @@ __all__ = [
     "call_timings",
     "call_costs",
     "step_times",
+    "timed_steps",
+    "step_sync",
     "step_clock",
     "quantize",
     "finish_profile",
@@ -290,8 +293,14 @@ def step_times(
     """(eager step, captured graph's step, then each checkpointed graph's step) in seconds, the fastest of
     a few interleaved runs; zeros when a step cannot be run this way. The caller restores the model's
     state (gradients, buffers, RNG). Timed on `step_clock(device)`."""
+    return timed_steps((model, graph, *checkpointed), args, kwargs, device)
+
+
+def timed_steps(modules: Sequence[torch.nn.Module], args: tuple, kwargs: dict, device: torch.device) -> tuple[float, ...]:
+    """Each module's training step (forward, summed loss, backward) in seconds, the fastest of STEP_ROUNDS
+    interleaved rounds after one untimed round; zeros when a step cannot be run. A stage-wise profile times
+    only the checkpointed graphs here: the plain step is the one that does not fit."""
     sync, clock = _sync_for(device), step_clock(device)
-    modules = [model, graph, *checkpointed]
 
     def run(mod) -> None:
         loss = _loss(mod(*args, **kwargs))
@@ -312,6 +321,11 @@ def step_times(
     except Exception:  # noqa: BLE001 - a model whose step we cannot run here is planned without these figures
         return (0.0,) * len(modules)
     return tuple(best)
+
+
+def step_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for the device before a step's clock is read (nothing on the CPU)."""
+    return _sync_for(device)
 
 
 def node_kind(gm: fx.GraphModule, n: fx.Node) -> str:
@@ -364,7 +378,11 @@ def finish_profile(
     cost = replace(cost, nodes=nodes)
     store = open_store(device, timing_store and anchor and cost.time_source == "measured")
     if anchor:
+        forward_s = cost.total_time
         cost = anchor_times(cost, store)
+        if cost.stages and cost.step_time_s > 0:  # a stage-wise profile's eager step: the node times and the
+            # stages' measured backwards (profile/stagewise.py), its forward now the fitted times
+            cost = replace(cost, step_time_s=max(0.0, cost.step_time_s - forward_s) + cost.total_time)
     if overheads and device.type != "meta" and cost.time_source != "flops":
         region_s, op_s, saved_s = call_costs(store.settle("overheads", "call", call_timings(device, probe), HEAL))
         cost = replace(cost, region_overhead_s=region_s, op_overhead_s=op_s, saved_overhead_s=saved_s)

@@ -19,20 +19,27 @@ import torch
 
 from ...lower.rewrite import CheckpointRegion, rewrite
 from ...profile.graph import CostGraph
-from ...profile.timing import HEAL, op_key, quantize, step_times
+from ...profile.memory import device_room
+from ...profile.timing import HEAL, op_key, quantize, step_times, timed_steps
 from ...profile.timing_store import open_store, signature
 from ...solvers.costs import trim_flat_regions
 from ...solvers.heuristics.basic import uniform
 from ...solvers.heuristics.selective import block_regions
 from ...solvers.simulate import simulate
 
-__all__ = ["CALIBRATION_STEPS", "with_step_times", "calibration_plan"]
+__all__ = ["CALIBRATION_STEPS", "STAGEWISE_STEPS", "with_step_times", "calibration_plan"]
 
 CALIBRATION_STEPS = ("graph", "checkpointed", "caching_nothing", "recomputed", "calls")
 """A calibration snapshot (seconds): the steps timed side by side (the captured graph, the graph
 checkpointed per block, the same regions under a selective policy that keeps nothing) and what that
 run's profile predicted for the checkpointed one (its recomputed nodes; its calls and hooks). The
 figures come from the snapshot alone, so a node time or call cost that heals later moves no plan."""
+
+
+STAGEWISE_STEPS = ("checkpointed", "caching_nothing", "forward", "backward", "recomputed", "calls")
+"""A stage-wise profile's calibration snapshot (seconds): the two checkpointed steps timed (no plain step:
+it does not fit), the profile's forward (its node times summed) and its stages' measured backwards, and what
+it predicted for the checkpointed step (recomputed nodes; calls and hooks)."""
 
 
 def calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
@@ -66,6 +73,8 @@ def with_step_times(
     """
     if cost.time_source == "flops":
         return cost
+    if cost.stages:  # profiled stage by stage: the plain step is not run
+        return _stagewise(cost, model, graph, args, kwargs, calibrate=calibrate, timing_store=timing_store)
     device = torch.device(cost.device)
     store = open_store(device, timing_store and cost.time_source == "fitted")
     key = signature([op_key(cost, n) for n in cost.nodes] + [f"calibrate={calibrate}"])
@@ -97,6 +106,56 @@ def with_step_times(
     return replace(cost, nodes=nodes, recompute_scale=scale)
 
 
+def _stagewise(cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, args: tuple, kwargs: dict, *,
+               calibrate: bool, timing_store: bool) -> CostGraph:
+    """`with_step_times` for a stage-wise profile (profile/stagewise.py), whose plain step does not fit.
+
+    Its eager step is an estimate: the node times (F) and the stages' measured backwards (B) summed. The
+    step checkpointed per block is run instead, where the device has room for it (its predicted peak; it is
+    the step a plan is checked against here too): it pays the forward, the recompute of its regions (R, as
+    predicted), the backward and the calls and hooks (K), so measured C = s * (F + R) + B + K gives the
+    factor s that node times are scaled by, and the eager step becomes s * F + B. The same regions under a
+    selective policy keeping nothing price that policy per op, as for a whole profile. No plain step is
+    timed, so the captured graph's own overhead against the eager model stays 0."""
+    if cost.step_time_s <= 0 or not calibrate:
+        return cost
+    device = torch.device(cost.device)
+    regions = calibration_plan(cost)
+    if not regions:
+        return cost
+    problem = cost.to_problem()
+    room = device_room(device)  # what the device can still allocate, the parameters and inputs already in it
+    if room is not None and simulate(problem, regions).peak_bytes - cost.param_bytes - cost.input_bytes > room:
+        return cost
+    store = open_store(device, timing_store and cost.time_source == "fitted")
+    key = signature([op_key(cost, n) for n in cost.nodes] + ["stagewise"])
+    try:
+        checked = (rewrite(graph, regions, model=model), _caching_nothing(rewrite(graph, regions, model=model)))
+    except Exception:  # noqa: BLE001 - no calibration for a graph that cannot be checkpointed per block
+        checked = ()
+    times = timed_steps(checked, args, kwargs, device) if checked else ()
+    if times and all(t > 0 for t in times):
+        measured = {"checkpointed": times[0], "caching_nothing": times[1], "forward": cost.total_time,
+                    "backward": cost.step_time_s - cost.total_time, **_predicted(cost, regions)}
+        store.settle("graphs", key, measured, HEAL)
+        store.save()
+    snap = store.get("graphs", key)
+    if not isinstance(snap, dict) or set(snap) != set(STAGEWISE_STEPS):
+        return cost
+    if not all(isinstance(v, (int, float)) for v in snap.values()):  # a file edited by hand
+        return cost
+    scale = 1.0
+    if snap["forward"] + snap["recomputed"] > 0:
+        paid = snap["checkpointed"] - snap["backward"] - snap["calls"]
+        scale = min(4.0, max(0.5, quantize(paid / (snap["forward"] + snap["recomputed"]))))
+    op_s = _op_cost(cost, regions, snap)
+    if op_s is not None:
+        cost = replace(cost, op_overhead_s=op_s)
+    nodes = tuple(replace(n, time=n.time * scale) for n in cost.nodes)
+    return replace(cost, nodes=nodes, recompute_scale=scale,
+                   step_time_s=scale * cost.total_time + max(0.0, snap["backward"]))
+
+
 def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[str, float]:
     """The calibration plan's recomputed nodes and its calls and hooks, as `cost` predicts them."""
     sim = simulate(cost.to_problem(), regions)
@@ -112,12 +171,17 @@ def _calibration(
     if snap["recomputed"] > 0:
         extra = snap["checkpointed"] - snap["graph"] - snap["calls"]
         scale = min(4.0, max(0.5, quantize(extra / snap["recomputed"])))
-    # The same regions under a selective policy that keeps nothing: the same recompute, plus the
-    # policy's dispatch on every op of the forward and of the recompute (what the simulator charges).
+    return scale, _op_cost(cost, regions, snap)
+
+
+def _op_cost(cost: CostGraph, regions: tuple[tuple[int, int], ...], snap: dict[str, float]) -> float | None:
+    """The selective policy's cost per op (seconds), or None. The same regions under a selective policy that
+    keeps nothing: the same recompute, plus the policy's dispatch on every op of the forward and of the
+    recompute (what the simulator charges)."""
     ops = sum(cost.nodes[i].dispatch_ops for s, e in regions for i in range(s, e + 1))
     if ops <= 0 or snap["caching_nothing"] <= 0:
-        return scale, None
-    return scale, max(0.0, snap["caching_nothing"] - snap["checkpointed"]) / (2 * ops)
+        return None
+    return max(0.0, snap["caching_nothing"] - snap["checkpointed"]) / (2 * ops)
 
 
 def _measured_step(
