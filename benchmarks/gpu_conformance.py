@@ -31,6 +31,11 @@ found failing on the CPU (in-place ops in the stage-wise profile, masked losses,
 WITHIN = 1.5
 
 
+def chosen_paths() -> tuple[str, ...]:
+    named = tuple(p for p in os.environ.get("GPU_CONFORMANCE_PATHS", "").split(",") if p)
+    return named or PATHS
+
+
 def chosen(dry: bool) -> list[str]:
     from benchmarks.conformance_models import HELD_OUT, MODELS
 
@@ -124,7 +129,8 @@ def _cell(name: str, path: str, device, dry: bool) -> dict:
     predicted = plan.predicted_overhead
     budget = plan.budget_bytes
     row.update(
-        profile=plan.stats.get("profile", "whole"), regions=len(plan.regions), budget_bytes=budget,
+        profile=plan.stats.get("profile", "whole"), regions=len(plan.regions), offloaded=len(plan.offloaded),
+        budget_bytes=budget,
         predicted_bytes=report.predicted_peak_bytes, measured_bytes=report.measured_peak_bytes,
         baseline_measured_bytes=report.baseline_measured_peak_bytes, prediction_error=report.prediction_error,
         within_budget=budget is None or report.measured_peak_bytes <= budget, exact=report.exact,
@@ -143,7 +149,7 @@ def section_conformance(sizes: dict, dry: bool, emit, log) -> None:
 
     device = _device(dry)
     for name in chosen(dry):
-        for path in PATHS[:1] if dry and name != "tv_vgg" else PATHS:
+        for path in chosen_paths()[:1] if dry and name != "tv_vgg" else chosen_paths():
             if time_left() < 10:
                 emit({"model": name, "path": path, "skipped": "out of the section's time"})
                 continue
@@ -180,17 +186,17 @@ def markdown(rows: list[dict]) -> list[str]:
            "deterministic algorithms, bf16 autocast, the whole model in bf16. Error: (predicted - "
            "`max_memory_allocated` peak) / measured. Overhead: the plan's step over the plain step, minus one, "
            f"CUDA events, median of {ROUNDS} interleaved pairs; ratio predicted / measured where measured >= 5 %.", "",
-           "| model | path | held out | profile | regions | budget KB | predicted KB | measured KB | error | within "
-           "| exact | pred overhead | meas overhead | ratio | plan s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | path | held out | profile | regions | offloaded | budget KB | predicted KB | measured KB | error | within "
+           "| exact | pred overhead | meas overhead | ratio | plan s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['model']} | {r['path']} | {'yes' if r.get('held_out') else 'no'} "
         if r.get("failed") or r.get("skipped"):
-            out.append(head + f"| {r.get('failed') or r.get('skipped')} | | | | | | | | | | | |")
+            out.append(head + f"| {r.get('failed') or r.get('skipped')} | | | | | | | | | | | | |")
             continue
         exact = "yes" if r["exact"] else f"no ({r['max_abs_grad_diff']:.1e})"
         ratio = "-" if r.get("overhead_ratio") is None else f"{r['overhead_ratio']:.2f}"
         at = " @min" if r.get("at_smallest") else ""
-        out.append(head + f"| {r['profile']} | {r['regions']} | {r['budget_bytes'] / 1e3:,.1f}{at} "
+        out.append(head + f"| {r['profile']} | {r['regions']} | {r.get('offloaded', '-')} | {r['budget_bytes'] / 1e3:,.1f}{at} "
                    f"| {r['predicted_bytes'] / 1e3:,.1f} | {r['measured_bytes'] / 1e3:,.1f} "
                    f"| {r['prediction_error'] * 100:+.1f} % | {'yes' if r['within_budget'] else 'NO'} | {exact} "
                    f"| {r['predicted_overhead'] * 100:+.0f} % | {r['measured_overhead'] * 100:+.0f} % | {ratio} "
