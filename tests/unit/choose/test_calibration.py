@@ -12,6 +12,7 @@ from ckpt_planner.choose.race.calibration import calibration_plan, with_step_tim
 from ckpt_planner.lower import selective
 from ckpt_planner.profile import profile
 from ckpt_planner.profile.timing import quantize
+from ckpt_planner.solvers import simulate
 
 from tests.models.examples import TinyGPT
 
@@ -60,7 +61,7 @@ def test_the_selective_dispatch_cost_is_calibrated_on_the_model_itself(monkeypat
     assert abs(got.op_overhead_s - 7e-6) < 1e-12
     assert (got.step_time_s, got.graph_overhead_s) == (1.0, 0.0)
     # The timed variant really runs every region under the policy, and computes what the plain one does.
-    plain, caching_nothing = seen["checked"]
+    plain, caching_nothing = seen["checked"][:2]  # then the split plan's step (test_a_fixed_cost_per_region...)
     calls = []
     real = selective.dispatch_probe_contexts
     monkeypatch.setattr(selective, "dispatch_probe_contexts", lambda *a, **k: calls.append("probe") or real(*a, **k))
@@ -75,3 +76,46 @@ def test_the_selective_dispatch_cost_is_calibrated_on_the_model_itself(monkeypat
             p.grad = None
     assert len(regions) > 0 and calls == ["probe"] * len(regions)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_fixed_cost_per_region_comes_apart_from_the_node_time_factor(monkeypatch):
+    """The per-block plan and the same blocks each cut in two recompute about the same nodes in twice the
+    regions: from the two steps, the node-time factor and a cost per region that no call or hook figure
+    charges are both recovered (one plan alone folded that cost into the factor: plans of many small regions
+    read low, of few large ones high)."""
+    model, cap = _tiny()
+    cost = dataclasses.replace(profile(cap, ProfileConfig(warmup=0, repeats=1, timing_store=False)),
+                               time_source="measured")
+    regions = calibration_plan(cost)
+    split = calibration_mod.split_plan(cost, regions)
+    assert len(split) > len(regions) > 0
+    s, k, graph = 2 ** 0.25, 3e-4, 1e-2  # the factor (on the time grid), seconds per region, the graph's step
+
+    def step(spans):  # what a step checkpointed at `spans` pays, as the model has it
+        sim = simulate(cost.to_problem(), spans)
+        calls = sim.call_time + sim.hook_time
+        return graph + s * (sim.recompute_time - calls) + calls + k * len(spans)
+
+    monkeypatch.setattr(calibration_mod, "step_times", lambda m, g, a, kw, d, *checked: (
+        graph, graph, step(regions), step(regions), step(split))[: 2 + len(checked)])
+    got = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=False)
+    assert math.isclose(got.recompute_scale, s, rel_tol=1e-9)
+    assert got.region_overhead_s == quantize(cost.region_overhead_s + k)
+    for spans in (regions, split):  # each calibration step as the calibrated profile predicts it (the time grid's rounding)
+        sim = simulate(got.to_problem(), spans)
+        assert math.isclose(graph + sim.recompute_time, step(spans), rel_tol=0.05)
+
+
+def test_one_plan_alone_folds_the_region_cost_into_the_factor(monkeypatch):
+    model, cap = _tiny()
+    cost = dataclasses.replace(profile(cap, ProfileConfig(warmup=0, repeats=1, timing_store=False)),
+                               time_source="measured")
+    monkeypatch.setattr(calibration_mod, "split_plan", lambda cost, regions: ())
+    regions = calibration_plan(cost)
+    sim = simulate(cost.to_problem(), regions)
+    calls = sim.call_time + sim.hook_time
+    checkpointed = 1e-2 + 2 * (sim.recompute_time - calls) + calls
+    monkeypatch.setattr(calibration_mod, "step_times", lambda m, g, a, kw, d, *checked: (
+        1e-2, 1e-2, checkpointed, checkpointed)[: 2 + len(checked)])
+    got = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=False)
+    assert got.recompute_scale == 2.0 and got.region_overhead_s == cost.region_overhead_s

@@ -17,6 +17,7 @@ from ckpt_planner.choose.race.calibration import calibration_plan, with_step_tim
 from ckpt_planner.lower.rewrite import CheckpointRegion
 from ckpt_planner.profile import stagewise
 from ckpt_planner.profile.profiler import ProfileConfig, profile
+from ckpt_planner.profile.timing import quantize
 from ckpt_planner.solvers import simulate
 
 from tests.unit.profile.test_stagewise import Blocks
@@ -75,38 +76,54 @@ def _staged(monkeypatch):
 
 
 def test_the_stagewise_calibration_recovers_the_factor_from_the_checkpointed_step(monkeypatch):
-    """Measured C = s * (forward + recompute) + backward + calls and hooks: the factor s is recovered from a
-    checkpointed step alone, node times scaled by it, and the eager step is s * forward + backward. The
-    plain model and the plain graph are never stepped."""
+    """No plain step: the step checkpointed per block is timed, the plain graph's forward under no_grad (F),
+    and the same blocks each cut in two. With the eager step F + the stages' backwards (B), a step at `spans` pays
+    F + B + s * recompute + calls and hooks + k per region: the factor s and the cost per region k are
+    recovered, node times scaled by s, and the eager step is F + B, not the node times (which, each timed
+    alone, overstate a step's forward). The plain model and the plain graph are never stepped."""
     model, cap, cost = _staged(monkeypatch)
     regions = calibration_plan(cost)
-    assert regions
-    sim = simulate(cost.to_problem(), regions)
-    calls = sim.call_time + sim.hook_time
-    recomputed, forward, backward = sim.recompute_time - calls, cost.total_time, cost.step_time_s - cost.total_time
-    s = 2 ** 0.5  # on the time grid
+    split = calibration_mod.split_plan(cost, regions)
+    assert len(split) > len(regions) > 0
+    backward = cost.step_time_s - cost.total_time
+    forward = 0.7 * cost.total_time  # the plain graph's forward under no_grad, as timed
+    s, k = 2 ** 0.5, 2e-4  # the factor (on the time grid); seconds per region no call or hook figure charges
+
+    def step(spans):  # what a step checkpointed at `spans` pays, as the model has it
+        sim = simulate(cost.to_problem(), spans)
+        calls = sim.call_time + sim.hook_time
+        return forward + backward + s * (sim.recompute_time - calls) + calls + k * len(spans)
+
     seen = []
 
     def fake_steps(modules, args, kwargs, device):
         seen.extend(modules)
-        checkpointed = s * (forward + recomputed) + backward + calls
-        return (checkpointed, checkpointed + 1e-3)
+        return (step(regions), step(regions) + 1e-3, forward, step(split))
 
     monkeypatch.setattr(calibration_mod, "timed_steps", fake_steps)
     got = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=False)
-    assert len(seen) == 2 and model not in seen and cap.graph_module not in seen
-    assert all(any(isinstance(m, CheckpointRegion) for m in mod.modules()) for mod in seen)
+    assert len(seen) == 4 and model not in seen and cap.graph_module not in seen
+    assert [any(isinstance(m, CheckpointRegion) for m in mod.modules()) for mod in seen] == [True, True, False, True]
+    assert isinstance(seen[2], calibration_mod._NoGradForward)
     assert math.isclose(got.recompute_scale, s, rel_tol=1e-9)
     for a, b in zip(cost.nodes, got.nodes):
         assert math.isclose(b.time, a.time * s, rel_tol=1e-12)
-    assert math.isclose(got.step_time_s, s * forward + backward, rel_tol=1e-9)
-    assert got.graph_overhead_s == 0.0
+    assert math.isclose(got.step_time_s, forward + backward, rel_tol=1e-9)
+    assert got.graph_overhead_s == 0.0 and got.region_overhead_s == quantize(cost.region_overhead_s + k)
     ops = sum(cost.nodes[i].dispatch_ops for a, b in regions for i in range(a, b + 1))
     assert math.isclose(got.op_overhead_s, 1e-3 / (2 * ops), rel_tol=1e-9)
-    # the calibration plan as predicted on the calibrated profile is the step that was measured
-    again = simulate(got.to_problem(), regions)
-    assert math.isclose(got.step_time_s + again.recompute_time, s * (forward + recomputed) + backward + calls,
-                        rel_tol=1e-6)
+    # each calibration step as the calibrated profile predicts it is the step measured (to the grid's rounding)
+    for spans in (regions, split):
+        again = simulate(got.to_problem(), spans)
+        assert math.isclose(got.step_time_s + again.recompute_time, step(spans), rel_tol=0.03)
+
+
+def test_the_forward_timed_alone_runs_no_backward():
+    """The calibration's forward step: the plain graph under no_grad, no output asking for a gradient."""
+    model, inputs = _blocks()
+    cap = capture(model, inputs)
+    out = calibration_mod._NoGradForward(cap.graph_module)(*cap.args, **cap.kwargs)
+    assert all(not t.requires_grad for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def test_no_calibration_step_where_the_device_has_no_room_for_it(monkeypatch):
@@ -120,13 +137,13 @@ def test_no_calibration_step_where_the_device_has_no_room_for_it(monkeypatch):
 def test_a_planner_below_the_plain_step_gets_the_stagewise_step_times(monkeypatch):
     """The profile optimize() builds where the plain step does not fit goes through the calibration too."""
     _ticking(monkeypatch)
-    monkeypatch.setattr(calibration_mod, "timed_steps", lambda modules, *a: tuple(1.0 for _ in modules))
+    monkeypatch.setattr(calibration_mod, "timed_steps", lambda modules, *a: (1.0, 1.0, 1e-3, 1.0)[: len(modules)])
     model, inputs = _blocks()
     config = dataclasses.replace(TIMED, overheads=True)  # the default profile's: step times with the call costs
     whole = Planner(model, inputs, profile_config=config)
     budget = int(0.6 * simulate(whole.problem, ()).peak_bytes)
     staged = Planner(model, inputs, profile_config=config, feasible_for={"budget_bytes": budget})
     assert staged.cost.stages
-    assert staged.cost.recompute_scale == 4.0  # a 1 s step: the factor at its bound
-    backward = staged.cost.step_time_s - staged.cost.total_time
-    assert math.isclose(backward, len(staged.cost.stages) * 2 * TICK, rel_tol=1e-6)
+    assert staged.cost.recompute_scale == 4.0  # a 1 s checkpointed step: the factor at its bound
+    # the eager step: the checkpointed graph's forward (1 ms) and the stages' backwards
+    assert math.isclose(staged.cost.step_time_s, 1e-3 + len(staged.cost.stages) * 2 * TICK, rel_tol=1e-6)
