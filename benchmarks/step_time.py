@@ -2,12 +2,16 @@
 
 For each held-out model at the matrix's `below` path (fp32, activation_budget=0.5, or the smallest budget a
 refusal names), the plan is the matrix's own: FLOP-based times, no autotune race, so it is the same plan on
-every run. Its overhead (plan's step / plain step - 1) is then predicted twice:
+every run. Its overhead (plan's step / plain step - 1) is then predicted twice (three times with --bounded):
   flop     the plan's own figure, on the FLOP-based times it was planned with;
   default  the same regions and kept ops simulated on the profile a user gets by default (`Planner(model,
            inputs)`: node times measured on one torch thread, the eager and captured steps timed, node
-           times calibrated on one per-block checkpointed step, checkpoint call and hook costs measured),
-           as the Plan computes it: (base_step_s + recompute_s) / (base_step_s - graph_overhead_s) - 1;
+           times and a cost per region calibrated on two checkpointed steps, the per-block one and the same
+           blocks cut in two, checkpoint call and hook costs measured), as the Plan computes it:
+           (base_step_s + recompute_s) / (base_step_s - graph_overhead_s) - 1;
+  bounded  the same on the profile optimize() builds at the plan's budget, where the plain step does not fit:
+           stage by stage (profile/stagewise.py), the eager step as the plain graph's forward under no_grad
+           and the stages' measured backwards, calibrated on the same two checkpointed steps;
 and measured: the plain model, the captured graph with no region, and the plan's module, interleaved, the
 median of `--repeats` rounds after one warm-up round, in process CPU time (as the matrix measures it) and in
 wall time. The graph alone splits the measured overhead into the graph's own share and the checkpointing's;
@@ -19,6 +23,7 @@ default profile as a first run on the machine sees it; --store keeps the machine
 
     python -m benchmarks.step_time                        # every held-out model (under 10 minutes when quiet)
     python -m benchmarks.step_time --models tv_vgg,albert --out /tmp/st
+    python -m benchmarks.step_time --bounded              # and the stage-wise profile (about 1.3x as long)
 
 Writes benchmarks/results/step_time.json and step_time.md.
 """
@@ -367,8 +372,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     staged = [r for r in rows if r.get("bounded") is not None]
     if staged:
         lines += ["", "The stage-wise profile optimize() builds at the plan's budget (the plain step does not fit it: node "
-                  "times from each stage's own step, the eager step as the node times and each stage's measured "
-                  "backward, calibrated on the step checkpointed per block; no plain step timed), predicted overhead, "
+                  "times from each stage's own step, the eager step as the plain graph's forward under no_grad and "
+                  "each stage's measured backward, calibrated on two checkpointed steps; no plain step timed), "
+                  "predicted overhead, "
                   "predicted / measured CPU, and its eager step and extra (ms) and node-time factor: "
                   + ", ".join(f"{r['model']} {_pct(r['bounded'])} ({_x(r['bounded_over_cpu'])}; eager "
                               f"{_ms(r['eager_s'].get('bounded'))}, extra {_ms(r['extra_s'].get('bounded'))}, "
