@@ -44,11 +44,12 @@ it does not fit), the plain graph's forward under no_grad, the stages' measured 
 predicted for the checkpointed step (recomputed nodes; calls and hooks)."""
 
 
-SPLIT_STEPS = ("split", "split_recomputed", "split_calls", "regions", "split_regions")
-"""With a second plan, each calibration region cut in two (`split_plan`): its step, what the profile predicted
-for it, and both plans' region counts. About the same recompute in twice the regions: what a region costs the
-step beyond the measured call and hook costs (a fresh context per call, the saved inputs' unpacking, a
-recompute's first allocations) comes apart from the node-time factor."""
+SPLIT_STEPS = ("split", "split_recomputed", "split_calls")
+"""With a second plan, each calibration region cut in two (`split_plan`): its step and what the profile
+predicted for it. About the same recompute in twice the regions: what a region costs the step beyond the
+measured call and hook costs (a fresh context per call, the saved inputs' unpacking, a recompute's first
+allocations) comes apart from the node-time factor. The plans' region counts are not stored: they follow
+from the graph, and a count in the snapshot's total would keep a clearly faster run from healing it."""
 
 
 def calibration_plan(cost: CostGraph) -> tuple[tuple[int, int], ...]:
@@ -128,7 +129,7 @@ def with_step_times(
             predicted = _predicted(cost, regions)
             snap = {**{k: measured[k] for k in CALIBRATION_STEPS[:3]}, **predicted}
             if "split" in measured:
-                snap.update(split=measured["split"], **_split_predicted(cost, regions, split))
+                snap.update(split=measured["split"], **_split_predicted(cost, split))
             store.settle("graphs", key, snap, HEAL)
         store.save()
     step_s = float(store.get("steps", f"{key}|step_time_s") or 0.0)
@@ -202,7 +203,7 @@ def _stagewise(cost: CostGraph, model: torch.nn.Module, graph: torch.nn.Module, 
         measured = {"checkpointed": times[0], "caching_nothing": times[1], "forward": times[2],
                     "backward": cost.step_time_s - cost.total_time, **_predicted(cost, regions)}
         if len(times) > 3:
-            measured.update(split=times[3], **_split_predicted(cost, regions, split))
+            measured.update(split=times[3], **_split_predicted(cost, split))
         store.settle("graphs", key, measured, HEAL)
         store.save()
     snap = store.get("graphs", key)
@@ -253,12 +254,10 @@ def _predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...]) -> dict[st
     return {"recomputed": sim.recompute_time - calls, "calls": calls}
 
 
-def _split_predicted(cost: CostGraph, regions: tuple[tuple[int, int], ...],
-                     split: tuple[tuple[int, int], ...]) -> dict[str, float]:
-    """The split plan's predicted figures and both plans' region counts (SPLIT_STEPS but its step)."""
+def _split_predicted(cost: CostGraph, split: tuple[tuple[int, int], ...]) -> dict[str, float]:
+    """The split plan's predicted figures (SPLIT_STEPS but its step)."""
     p = _predicted(cost, split)
-    return {"split_recomputed": p["recomputed"], "split_calls": p["calls"], "regions": len(regions),
-            "split_regions": len(split)}
+    return {"split_recomputed": p["recomputed"], "split_calls": p["calls"]}
 
 
 def _calibration(
@@ -267,11 +266,11 @@ def _calibration(
     """(recompute scale, selective policy's cost per op or None, seconds more per region) from a calibration
     snapshot of `regions` (and of the split plan, where it has one)."""
     paid = [snap["checkpointed"] - snap["graph"] - snap["calls"]]
-    work, counts = [snap["recomputed"]], [snap.get("regions", len(regions))]
+    work, counts = [snap["recomputed"]], [len(regions)]
     if "split" in snap:
         paid.append(snap["split"] - snap["graph"] - snap["split_calls"])
         work.append(snap["split_recomputed"])
-        counts.append(snap["split_regions"])
+        counts.append(len(split_plan(cost, regions)))
     scale, per_region = _fit(paid, work, counts) if work[0] > 0 else (1.0, 0.0)
     return scale, _op_cost(cost, regions, snap), per_region
 

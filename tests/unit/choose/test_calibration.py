@@ -119,3 +119,28 @@ def test_one_plan_alone_folds_the_region_cost_into_the_factor(monkeypatch):
         1e-2, 1e-2, checkpointed, checkpointed)[: 2 + len(checked)])
     got = with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=False)
     assert got.recompute_scale == 2.0 and got.region_overhead_s == cost.region_overhead_s
+
+
+def test_a_clearly_faster_calibration_heals_the_stored_one(monkeypatch, tmp_path):
+    """The stored snapshot (both plans' steps) gives way whole to a run that measures it clearly faster: a
+    machine's load slowed the first, not the model."""
+    monkeypatch.setenv("CKPT_PLANNER_TIMINGS", str(tmp_path))
+    model, cap = _tiny()
+    cost = dataclasses.replace(profile(cap, ProfileConfig(warmup=0, repeats=1, timing_store=False)),
+                               time_source="fitted")
+    regions = calibration_plan(cost)
+    split = calibration_mod.split_plan(cost, regions)
+    assert split
+
+    def steps(graph, s):  # the eager and graph steps, then the three calibration steps, at factor s
+        def step(spans):
+            sim = simulate(cost.to_problem(), spans)
+            calls = sim.call_time + sim.hook_time
+            return graph + s * (sim.recompute_time - calls) + calls
+        return lambda m, g, a, kw, d, *checked: (graph, graph, step(regions), step(regions), step(split))
+
+    factors = []
+    for graph, s in ((2e-2, 2.0), (1e-2, 1.0)):  # a loaded run, then a quiet one at half its times
+        monkeypatch.setattr(calibration_mod, "step_times", steps(graph, s))
+        factors.append(with_step_times(cost, model, cap.graph_module, cap.args, cap.kwargs).recompute_scale)
+    assert factors == [2.0, 1.0]
