@@ -9,11 +9,14 @@ backward needs it. The model (`simulate` accounts for it, the solvers optimise i
 * Compute: the forward of node j takes `node.time`; its backward step `BACKWARD_FACTOR` times that (the
   ratio `Problem.base_step_s` assumes); a recompute pass takes the forward time of the nodes it re-runs.
 * Device to host: one serial copy stream. Storage t's copy is issued when its producer has run, in
-  producer order, and takes `nbytes / d2h_bytes_per_s`. The device copy stays until both its last
+  producer order, and takes `d2h_seconds`: `d2h_fixed_s + nbytes / d2h_bytes_per_s`, a fixed cost per
+  storage (the copy's launch and round trip, and the hooks' own host work: on a launch-bound step a copy
+  of a few KB costs that and nothing else) plus its bytes at the link's rate. The device copy stays until both its last
   forward reader has run and its copy is done (`free_after`: the first node at or after `last_use`
   whose forward ends no earlier than the copy). The backward starts when every copy is done: the
   stream's overhang past the forward's end is exposed time.
-* Host to device: one serial copy stream. Storage t must be back before the backward reaches its first
+* Host to device: one serial copy stream; a copy takes `h2d_seconds` (`h2d_fixed_s + nbytes /
+  h2d_bytes_per_s`). Storage t must be back before the backward reaches its first
   use `first_use` (the latest backward step that reads it: a saver outside every region, or the step
   whose recompute reads it). Its prefetch is issued at the start of backward step `fetch`: the latest
   start that has every copy done by its use on the one serial stream, in baseline backward compute
@@ -50,6 +53,8 @@ __all__ = [
     "timing",
     "host_bytes",
     "backward_prefix",
+    "d2h_seconds",
+    "h2d_seconds",
 ]
 
 BACKWARD_FACTOR = 2.0
@@ -150,6 +155,17 @@ def normalize_offloaded(problem: Problem, regions, saved, offloaded) -> tuple[tu
     return out, {t: uses[t] for t in out}
 
 
+def d2h_seconds(problem: Problem, nbytes: int) -> float:
+    """Seconds one storage's copy to the host holds the stream: the fixed cost of a copy plus its bytes at
+    the link's rate. # seconds"""
+    return problem.d2h_fixed_s + nbytes / problem.d2h_bytes_per_s
+
+
+def h2d_seconds(problem: Problem, nbytes: int) -> float:
+    """Seconds one storage's fetch back to the device holds the stream (fixed cost plus bytes). # seconds"""
+    return problem.h2d_fixed_s + nbytes / problem.h2d_bytes_per_s
+
+
 def host_bytes(problem: Problem, offloaded) -> int:
     """Pinned host bytes a plan holds at the forward's end, when all its offloaded storages are there."""
     return sum(problem.storages[t].nbytes for t in offloaded)
@@ -222,12 +238,12 @@ def timing(problem: Problem, regions, saved, uses: dict[int, tuple[int, int]]) -
     stream = 0.0
     for t in sorted(uses, key=lambda t: (storages[t].producer, t)):
         st = storages[t]
-        stream = max(forward[st.producer], stream) + st.nbytes / problem.d2h_bytes_per_s
+        stream = max(forward[st.producer], stream) + d2h_seconds(problem, st.nbytes)
         free_after[t] = min(bisect.bisect_left(forward, stream, lo=st.last_use), n - 1)
     d2h = max(0.0, stream - forward[-1]) if uses else 0.0
 
     prefix = backward_prefix(problem)
-    copy = {t: storages[t].nbytes / problem.h2d_bytes_per_s for t in uses}
+    copy = {t: h2d_seconds(problem, storages[t].nbytes) for t in uses}
     fetch = fetch_steps(prefix, {t: use for t, (_, use) in uses.items()}, copy)
     issued: dict[int, list[int]] = {}
     needed: dict[int, list[int]] = {}

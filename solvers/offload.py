@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from .copies import backward_prefix, backward_uses, host_bytes, offloadable
+from .copies import backward_prefix, backward_uses, d2h_seconds, h2d_seconds, host_bytes, offloadable
 from .plans import normalize_regions, normalize_saved
 from .problem import Problem
 from .simulate import simulate
@@ -66,8 +66,8 @@ def choose_offloads(
         st = storages[t]
         forward_after = sum(node.time for node in problem.nodes[st.producer + 1 :])
         use = uses[t][1]
-        return max(0.0, st.nbytes / problem.d2h_bytes_per_s - forward_after) + max(
-            0.0, st.nbytes / problem.h2d_bytes_per_s - (prefix[-1] - prefix[use])
+        return max(0.0, d2h_seconds(problem, st.nbytes) - forward_after) + max(
+            0.0, h2d_seconds(problem, st.nbytes) - (prefix[-1] - prefix[use])
         )
 
     chosen: list[int] = []

@@ -133,6 +133,12 @@ class Problem:
     """Measured copy bandwidth from pinned host memory back to the device (bytes per second); 0: no offload."""
     host_budget_bytes: int = 0
     """Pinned host bytes the offloaded tensors may hold at once; 0: none, no solver offloads."""
+    d2h_fixed_s: float = 0.0
+    """Seconds each offloaded storage's copy to the host costs beyond its bytes: the copy's launch latency
+    plus the offload hooks' host work at pack time (`solvers.copies.d2h_seconds`), measured."""
+    h2d_fixed_s: float = 0.0
+    """Seconds each fetch back to the device costs beyond its bytes: the copy's latency plus the hooks'
+    host work at unpack time (`solvers.copies.h2d_seconds`), measured."""
     casts: tuple[Cast, ...] = ()
     """Autocast's cached casts of parameters (their bytes are in `param_bytes`); () outside autocast."""
     casts_cleared: bool = False
@@ -162,9 +168,9 @@ class Problem:
             for k in st.saved_by:
                 if not st.producer <= k < n:
                     raise ProblemError(f"storages[{s}].saved_by: {k} is not a node at or after the producer")
-        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes"):
+        for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_budget_bytes", "d2h_fixed_s", "h2d_fixed_s"):
             value = getattr(self, name)
-            if not value >= 0 or (name == "host_budget_bytes" and value == float("inf")):
+            if not value >= 0 or (name in ("host_budget_bytes", "d2h_fixed_s", "h2d_fixed_s") and value == float("inf")):
                 raise ProblemError(f"{name}: {value} is not a non-negative number")
         for c, cast in enumerate(self.casts):
             if cast.nbytes < 0 or not cast.readers or not all(0 <= k < n for k in cast.readers + cast.savers):
@@ -217,6 +223,8 @@ class Problem:
             "d2h_bytes_per_s": self.d2h_bytes_per_s,
             "h2d_bytes_per_s": self.h2d_bytes_per_s,
             "host_budget_bytes": self.host_budget_bytes,
+            "d2h_fixed_s": self.d2h_fixed_s,
+            "h2d_fixed_s": self.h2d_fixed_s,
             "casts": [asdict(cast) for cast in self.casts],
             "casts_cleared": self.casts_cleared,
             "nodes": [asdict(node) for node in self.nodes],
@@ -245,6 +253,9 @@ class Problem:
             d2h_bytes_per_s=float(data.get("d2h_bytes_per_s", 0.0)),
             h2d_bytes_per_s=float(data.get("h2d_bytes_per_s", 0.0)),
             host_budget_bytes=int(data.get("host_budget_bytes", 0)),
+            # absent from problems saved before copies had a fixed cost: priced at their bytes alone
+            d2h_fixed_s=float(data.get("d2h_fixed_s", 0.0)),
+            h2d_fixed_s=float(data.get("h2d_fixed_s", 0.0)),
             casts=tuple(
                 Cast(nbytes=int(d["nbytes"]), readers=tuple(d["readers"]), savers=tuple(d.get("savers", ())))
                 for d in data.get("casts", ())

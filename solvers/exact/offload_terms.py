@@ -30,7 +30,7 @@ import bisect
 import itertools
 from typing import Any
 
-from ..copies import backward_prefix, fetch_step
+from ..copies import backward_prefix, d2h_seconds, fetch_step, h2d_seconds
 from ..problem import Problem
 
 __all__ = ["OffloadTerms", "NO_OFFLOAD"]
@@ -64,7 +64,7 @@ class OffloadTerms:
             o = self.o[t] = new_var(f"o_{t}", 0, 1, "Binary")
             K = span[t]
             prob += o <= y_at[t][K - p]
-            stream = max(forward[p], stream) + st.nbytes / problem.d2h_bytes_per_s
+            stream = max(forward[p], stream) + d2h_seconds(problem, st.nbytes)
             free = min(bisect.bisect_left(forward, stream, lo=st.last_use), n - 1)
             self._forward[free + 1].append(nb * o)
             # need[j - p] for j = p..n-1; the latest use any flat plan gives t bounds the prefetch's window.
@@ -82,7 +82,7 @@ class OffloadTerms:
                     if (s_, e_) in x:
                         prob += need[e_ - p] >= x[(s_, e_)]
                         latest = max(latest, e_)
-            seconds = st.nbytes / problem.h2d_bytes_per_s
+            seconds = h2d_seconds(problem, st.nbytes)
             h2d_cost.append(max(0.0, seconds - (prefix[-1] - prefix[latest])) * o)
             fetched = [fetch_step(prefix, u, seconds) for u in range(p, n)]  # by first use: monotone
             for k in range(p + 1, n):
@@ -99,7 +99,7 @@ class OffloadTerms:
         overhang = new_var("d2h_overhang")
         for p, _ in itertools.groupby(cands, key=lambda t: storages[t].producer):
             later = [t for t in cands if storages[t].producer >= p]
-            prob += overhang >= pulp.lpSum(storages[t].nbytes / problem.d2h_bytes_per_s * self.o[t] for t in later) - (
+            prob += overhang >= pulp.lpSum(d2h_seconds(problem, storages[t].nbytes) * self.o[t] for t in later) - (
                 forward[-1] - forward[p]
             )
         self.cost = (overhang + pulp.lpSum(h2d_cost)) / tunit
