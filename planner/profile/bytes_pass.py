@@ -135,15 +135,16 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
 
     `plain_fits(cost)`: whether the plain step fits the budget, judged on bytes. Where it does not (and
     `config.bounded` leaves the choice to the planner), the graph is profiled a stage at a time
-    (profile/stagewise.py): bytes on fake tensors, each stage's own step on real ones, no whole-step
-    timings, so planning needs one stage's step, not the step it is asked to shrink.
+    (profile/stagewise.py): bytes on fake tensors, each stage's own step on real ones, no plain step, so
+    profiling needs one stage's step, not the step it is asked to shrink (its calibration, the step
+    checkpointed per block, runs where the device has room for it).
 
     Either way: reused when this process measured the same graph, weights and inputs; where the profile
     times the model, the bytes pass first (`check_bytes(cost)` refuses an infeasible budget before any
     timing: one untimed step, a stage at a time where the plain step does not fit), then the timed
-    profile, and the whole step's times where it was profiled whole: `step_times(cost, model, graph, args,
-    kwargs, timing_store=...)`, the eager and graph steps and the calibration on a step checkpointed per
-    block (choose/race/calibration.py `with_step_times`, handed in by the spine: it lowers a plan, which
+    profile, and the step's times: `step_times(cost, model, graph, args, kwargs, timing_store=...)`, the
+    eager and graph steps (a stage-wise profile's: estimated, no plain step run) and the calibration on
+    steps checkpointed per block (choose/race/calibration.py `with_step_times`, handed in by the spine: it lowers a plan, which
     the profile stage does not); None: the profile's own figures, no step timed."""
     fake = None
     timed = (step_times is not None,)  # a profile without its step figures never serves a call that times them
@@ -179,8 +180,8 @@ def profile_for_planning(model: torch.nn.Module, cap: Capture, config: ProfileCo
                 f" in {len(cost.stages)} stages" if cost.stages else "", cost.total_saved_bytes / 1e6,
                 cost.total_time * 1e3, cost.time_source)
     if step_times is not None and (whole or cost.stages) and config.overheads and cost.time_source != "flops":
-        with stage("step times", "one calibration step" if cost.stages else
-                   "the eager step, the captured graph and one calibration step"):  # FLOP times: no step
+        with stage("step times", "the calibration's checkpointed steps and the forward under no_grad" if cost.stages
+                   else "the eager step, the captured graph and the calibration's steps"):  # FLOP times: no step
             cost = step_times(cost, model, cap.graph_module, cap.args, cap.kwargs, timing_store=config.timing_store)
     PROFILES.put(memo, cost)
     return cost
