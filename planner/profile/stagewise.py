@@ -475,9 +475,10 @@ def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span
     temporaries at least the allocator's, and the backward's workspaces added to its temporaries.
 
     Where timed, the eager step (`step_time_s`) is the nodes' forward times and every stage's measured
-    backward, summed: the plain step is never run, and a backward is not twice a forward (a layer norm's or
-    an attention's costs more, a frozen layer's none). choose/race/calibration.py calibrates it and the
-    node times on a step checkpointed per block, where that step fits the device."""
+    backward, summed: the plain step is never run, and a backward is no fixed multiple of its forward (a
+    frozen layer makes no weight gradient). Where the step checkpointed per block fits the device,
+    choose/race/calibration.py takes the plain graph's forward under no_grad in the node times' place and
+    calibrates the node times on checkpointed steps."""
     times = robust_times(figures.times) if figures.times else {}
     state = rng_state_bytes(torch.device(cost.device))
     nodes = tuple(

@@ -23,7 +23,8 @@
   graphs), so that the predicted step time counts the graph's own overhead. Whole steps and the call
   costs' tiny steps are timed on `step_clock`: on a one-thread CPU the thread's CPU time, which the
   machine's load does not inflate (per-node times, a fraction of a scheduler slice each, stay near it).
-  A stage-wise profile, whose plain step does not fit, times only checkpointed graphs (`timed_steps`).
+  A stage-wise profile, whose plain step does not fit, times only checkpointed graphs and the plain
+  graph's forward under no_grad (`timed_steps`).
 
 Nothing here lowers a plan: what runs a region under the selective policy (`probe`, lower/selective.py's
 `dispatch_probe_contexts`) and which nodes a policy may keep (`flags`, its `saveable_flags`) are
