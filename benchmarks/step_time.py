@@ -23,7 +23,7 @@ default profile as a first run on the machine sees it; --store keeps the machine
 
     python -m benchmarks.step_time                        # every held-out model (under 10 minutes when quiet)
     python -m benchmarks.step_time --models tv_vgg,albert --out /tmp/st
-    python -m benchmarks.step_time --bounded              # and the stage-wise profile (about 1.3x as long)
+    python -m benchmarks.step_time --bounded              # and the stage-wise profile (5-6 minutes, 2 cores)
 
 Writes benchmarks/results/step_time.json and step_time.md.
 """
