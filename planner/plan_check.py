@@ -6,6 +6,7 @@ anything changes. (`plan` is a `plan.Plan`, which imports this module.)"""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -192,6 +193,10 @@ def check_figures(plan: Any, model: torch.nn.Module, cap: Any, *, rel_tol: float
     info = plan.stats.get("offload") if plan.offloaded and isinstance(plan.stats.get("offload"), dict) else {}
     problem, _ = rank_problem(cost, model, optimizer_bytes=0, world_size=world, sharding=sharding,
                               rank_optimizer_bytes=int(optimizer or 0), **_copies(info))
+    fixed = {k: float(info[k]) for k in ("d2h_fixed_s", "h2d_fixed_s")
+             if isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)}
+    if fixed:  # each copy's fixed cost (seconds), absent from plans made before copies had one
+        problem = dataclasses.replace(problem, **fixed)
     nodes = cost.nodes
     own, _ = own_spans(cap.own_checkpoints, [n.name for n in nodes], [n.module for n in nodes],
                        [n.recomputable for n in nodes])

@@ -218,7 +218,7 @@ _STATS = _obj({
                     "forward_s": _SECONDS}),
     "cli": _obj({"model": _str(), "model_kind": _str(100), "seed": _int(0, (1 << 64) - 1)}),
     "offload": _obj({"d2h_bytes_per_s": _num(0, 1e18), "h2d_bytes_per_s": _num(0, 1e18), "host_budget_bytes": _BYTES,
-                     "exposed_copy_s": _SECONDS, "source": _str(100)}),
+                     "exposed_copy_s": _SECONDS, "source": _str(100), "d2h_fixed_s": _SECONDS, "h2d_fixed_s": _SECONDS}),
 })
 _FIELDS: dict[str, Check] = {
     "model": _str(10_000), "fingerprint": _str(1_000), "capture_method": _str(100), "num_nodes": _int(0, MAX_NODES),

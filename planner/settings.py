@@ -183,17 +183,31 @@ class OffloadConfig:
     bandwidth: tuple[float, float] | None = None
     """(device-to-host, host-to-device) copy bandwidth in bytes/s, for simulation and testing: used instead
     of the bandwidth measured on a CUDA device, and on the CPU, where no copy frees device memory (0 there
-    otherwise, so the solvers never offload). None: measured (profile/copy_bandwidth.py)."""
+    otherwise, so the solvers never offload). None: measured (profile/copy_bandwidth.py). A third entry
+    (optimize's `offload_bandwidth=(d2h, h2d, seconds)`) sets `fixed_s` for both directions."""
+    fixed_s: tuple[float, float] | None = None
+    """(device-to-host, host-to-device) seconds each offloaded storage's copy costs beyond its bytes (the
+    copy's launch and round trip, the offload hooks' host work), for simulation and testing; a number sets
+    both. None: measured on the device with the bandwidth (profile/copy_bandwidth.py `fixed_seconds`); with
+    a simulated bandwidth, measured where the profile measures node times and 0 where it does not."""
 
     def __post_init__(self) -> None:
         if self.host_budget_gb is not None and not (_number(self.host_budget_gb) and self.host_budget_gb >= 0):
             raise InputError(f"host_budget_gb: {self.host_budget_gb!r} must be a finite number of GB >= 0 (or None)")
         if self.bandwidth is not None:
-            if not (isinstance(self.bandwidth, (tuple, list)) and len(self.bandwidth) == 2
+            if not (isinstance(self.bandwidth, (tuple, list)) and len(self.bandwidth) in (2, 3)
                     and all(_number(b) and b >= 0 for b in self.bandwidth)):
                 raise InputError(f"offload_bandwidth: {self.bandwidth!r} must be (device-to-host, host-to-device) "
-                                 "bytes/s, two finite numbers >= 0")
+                                 "bytes/s, two finite numbers >= 0, and optionally a third: seconds per copy")
+            if len(self.bandwidth) == 3 and self.fixed_s is None:
+                object.__setattr__(self, "fixed_s", self.bandwidth[2])
             object.__setattr__(self, "bandwidth", (float(self.bandwidth[0]), float(self.bandwidth[1])))
+        if self.fixed_s is not None:
+            fixed = (self.fixed_s, self.fixed_s) if _number(self.fixed_s) else self.fixed_s
+            if not (isinstance(fixed, (tuple, list)) and len(fixed) == 2 and all(_number(f) and f >= 0 for f in fixed)):
+                raise InputError(f"offload fixed_s: {self.fixed_s!r} must be seconds per copy, a finite number >= 0 "
+                                 "or (device-to-host, host-to-device)")
+            object.__setattr__(self, "fixed_s", (float(fixed[0]), float(fixed[1])))
 
     def host_budget_bytes(self, free_host_bytes: int) -> int:
         """The host budget in bytes, given the host memory free now (bytes)."""

@@ -144,7 +144,8 @@ def plan_from_solution(
         notes=tuple(notes) + (("captured with torch.export",) if cap.fallback_reason else ()),
         stats={k: v for k, v in solution.stats.items() if k != "breakdown"} | ({"offload": {
             "d2h_bytes_per_s": problem.d2h_bytes_per_s, "h2d_bytes_per_s": problem.h2d_bytes_per_s,
-            "host_budget_bytes": problem.host_budget_bytes, "exposed_copy_s": sim.offload_time}} if offload else {}),
+            "host_budget_bytes": problem.host_budget_bytes, "exposed_copy_s": sim.offload_time,
+            "d2h_fixed_s": problem.d2h_fixed_s, "h2d_fixed_s": problem.h2d_fixed_s}} if offload else {}),
         offloaded=offload,
         time_source=cost.time_source,
         num_nodes=len(cost.nodes),

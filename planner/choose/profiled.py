@@ -8,7 +8,7 @@ that feasibility is judged on (choose/budget.py), so it is cleared with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -168,13 +168,16 @@ def profiled(model: torch.nn.Module, capture: Capture, cost: CostGraph, setup: S
     config = ProfileConfig.or_default(setup.profile)
     # offload is priced at the device's host copy bandwidth (0 on the CPU: the solvers never offload there)
     bandwidth = copy_bandwidth("meta" if setup.meta or config.meta else cost.device, store=config.timing_store,
-                               simulated=setup.offload.bandwidth)
+                               simulated=setup.offload.bandwidth, fixed=setup.offload.fixed_s,
+                               timed=not config.flop_times)
     host = setup.offload.host_budget_bytes(free_host_bytes()) if bandwidth.usable else 0
     dist = setup.distributed
     problem, dist_notes = rank_problem(cost, model, optimizer_bytes=optimizer_state_bytes(model, setup.optimizer),
                                        world_size=dist.world_size, sharding=dist.sharding,
                                        d2h_bytes_per_s=bandwidth.d2h_bytes_per_s,
                                        h2d_bytes_per_s=bandwidth.h2d_bytes_per_s, host_budget_bytes=host)
+    if bandwidth.usable:  # each copy's fixed cost (launch, round trip, the hooks' host work), seconds each way
+        problem = replace(problem, d2h_fixed_s=bandwidth.d2h_fixed_s, h2d_fixed_s=bandwidth.h2d_fixed_s)
     note = offload_note(bandwidth, host)
     if cost.time_source == "fitted":  # the device's refit from earlier autotune rounds (race/refit.py)
         problem, fit = learned(problem, open_store(cost.device, config.timing_store))

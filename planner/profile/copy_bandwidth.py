@@ -7,14 +7,27 @@ the link's rate counts. The figures are kept in the device's timing store (table
 per GiB each way: a snapshot that heals like the store's other timings), so every later profile reads
 the same bandwidth and plans the same.
 
+Each copy also has a fixed cost, whatever its bytes (`fixed_seconds`): on a launch-bound step a copy of a few
+KB costs that and nothing else. Each way it is the device's latency for a small copy (`LATENCY_BYTES`, the
+fastest of `REPEATS`, CUDA events on the side stream) plus the offload hooks' own host work per storage
+(lower/offload.py: the pack hook, the copy's bookkeeping, its pinned buffer, the stream switch and event at
+pack; the fetch at unpack), timed by packing and unpacking small tensors through the real hooks against the
+same step without them (`measure_hooks`; on the CPU through their numpy path). It is kept in the store
+beside the bandwidth (key `fixed`, seconds each way, healing the same way).
+
 On the CPU the bandwidth is 0: activations already live in host memory, so a copy frees nothing and
 the solvers never offload; the plan's notes say so in one line. `OffloadConfig.bandwidth` (optimize's
-`offload_bandwidth`) sets a simulated bandwidth instead, for testing and for planning on fake tensors.
+`offload_bandwidth`) sets a simulated bandwidth instead, for testing and for planning on fake tensors;
+`OffloadConfig.fixed_s` a simulated fixed cost (else the hooks' cost measured on the device, or 0 where
+node times are not measured either: FLOP-timed profiles and fake tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +35,8 @@ import torch
 
 from .timing_store import open_store
 
-__all__ = ["CopyBandwidth", "copy_bandwidth", "measure_cuda", "free_host_bytes", "offload_note", "describe", "SIZES"]
+__all__ = ["CopyBandwidth", "copy_bandwidth", "measure_cuda", "measure_latency_cuda", "measure_hooks", "fixed_seconds",
+           "free_host_bytes", "offload_note", "describe", "SIZES"]
 
 SIZES = (8 << 20, 64 << 20, 256 << 20)
 """Bytes copied per timed run: small copies pay the launch, the largest shows the link's rate."""
@@ -32,8 +46,16 @@ HEAL = 2 ** -0.5
 """A stored snapshot is replaced by one whose total is at most this times it (the store's two grid steps)."""
 GIB = float(1 << 30)
 STORE_KEY = "pinned"
+FIXED_KEY = "fixed"
+LATENCY_BYTES = 4 << 10
+"""Bytes of the copy whose time is the link's fixed latency (a few KB: its bytes take nanoseconds)."""
+HOOK_STORAGES = 8
+"""Storages offloaded per timed step of the hooks (their cost is per storage: more average the timer's noise)."""
+MIN_FIXED_S = 1e-7
+"""Floor of a measured per-storage cost (seconds): a difference of two noisy times may come out at or below 0."""
 
 _memo: dict[str, CopyBandwidth] = {}
+_fixed_memo: dict[str, tuple[float, float]] = {}
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,10 @@ class CopyBandwidth:
     """'measured' (timed now), 'stored' (the timing store), 'simulated' (given by the caller), 'none'."""
     why: str = ""
     """Why there is none (source 'none'), in a few words."""
+    d2h_fixed_s: float = 0.0
+    """Seconds each offloaded storage's copy to the host costs beyond its bytes (`fixed_seconds`)."""
+    h2d_fixed_s: float = 0.0
+    """Seconds each fetch back to the device costs beyond its bytes."""
 
     @property
     def usable(self) -> bool:
@@ -53,12 +79,17 @@ class CopyBandwidth:
 
 
 def copy_bandwidth(device: torch.device | str, *, store: bool = True,
-                   simulated: tuple[float, float] | None = None) -> CopyBandwidth:
+                   simulated: tuple[float, float] | None = None, fixed: tuple[float, float] | None = None,
+                   timed: bool = True) -> CopyBandwidth:
     """The bandwidth offload is priced at on `device`: `simulated` when given, measured (or stored) on a
-    CUDA device, else none. Measured once per device and process."""
+    CUDA device, else none. Measured once per device and process. The fixed cost per storage, each way:
+    `fixed` when given; else measured with the bandwidth on CUDA, and with a simulated bandwidth measured
+    on `device` where `timed` (the profile measures node times), 0 where not."""
     device = torch.device(device)
     if simulated is not None:
-        return CopyBandwidth(float(simulated[0]), float(simulated[1]), "simulated")
+        if fixed is None:
+            fixed = fixed_seconds(device, store) if timed and device.type != "meta" else (0.0, 0.0)
+        return CopyBandwidth(float(simulated[0]), float(simulated[1]), "simulated", "", float(fixed[0]), float(fixed[1]))
     if device.type == "meta":
         return CopyBandwidth(0.0, 0.0, "none", "on fake tensors, where no copy is timed (offload_bandwidth= gives one)")
     if device.type != "cuda":
@@ -67,7 +98,103 @@ def copy_bandwidth(device: torch.device | str, *, store: bool = True,
     key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
     if key not in _memo:
         _memo[key] = _stored_or_measured(torch.device(key), store)
-    return _memo[key]
+    found = _memo[key]
+    if not found.usable:
+        return found
+    d2h_fixed, h2d_fixed = fixed if fixed is not None else fixed_seconds(torch.device(key), store)
+    return dataclasses.replace(found, d2h_fixed_s=float(d2h_fixed), h2d_fixed_s=float(h2d_fixed))
+
+
+def fixed_seconds(device: torch.device, store: bool = True) -> tuple[float, float]:
+    """(device to host, host to device) seconds each offloaded storage costs beyond its bytes on `device`: the
+    hooks' host work per storage, plus on CUDA a small copy's latency. Measured once per device and process,
+    settled against the timing store (a snapshot that heals like the bandwidth); (0, 0) where nothing can be
+    timed and nothing is stored."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    if key in _fixed_memo:
+        return _fixed_memo[key]
+    timings = open_store(device, store)
+    try:
+        pack, unpack = measure_hooks(device)
+        if device.type == "cuda":
+            d2h_latency, h2d_latency = measure_latency_cuda(device)
+            pack, unpack = pack + d2h_latency, unpack + h2d_latency
+    except (RuntimeError, torch.cuda.OutOfMemoryError):  # a full device, no pinned memory: the stored figure or none
+        stored = timings.get("copies", FIXED_KEY)
+        ok = isinstance(stored, dict) and {"d2h", "h2d"} <= set(stored)
+        _fixed_memo[key] = (float(stored["d2h"]), float(stored["h2d"])) if ok else (0.0, 0.0)
+        return _fixed_memo[key]
+    snapshot = timings.settle("copies", FIXED_KEY, {"d2h": pack, "h2d": unpack}, HEAL)
+    timings.save()
+    _fixed_memo[key] = (float(snapshot["d2h"]), float(snapshot["h2d"]))
+    return _fixed_memo[key]
+
+
+def measure_latency_cuda(device: torch.device, nbytes: int = LATENCY_BYTES, repeats: int = REPEATS) -> tuple[float, float]:
+    """(device to host, host to device) seconds of a copy of `nbytes` between a pinned buffer and `device`,
+    each the fastest of `repeats` timed with CUDA events on a side stream (as offload's copies run)."""
+    side = torch.cuda.Stream(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = [float("inf"), float("inf")]
+    for way, (dst, src) in enumerate(((host, dev), (dev, host))):
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(side)
+                dst.copy_(src, non_blocking=True)
+                end.record(side)
+                end.synchronize()
+                best[way] = min(best[way], max(start.elapsed_time(end) / 1e3, MIN_FIXED_S))
+    return best[0], best[1]
+
+
+def measure_hooks(device: torch.device, storages: int = HOOK_STORAGES, repeats: int = REPEATS) -> tuple[float, float]:
+    """(pack, unpack) host seconds per offloaded storage of the offload hooks (lower/offload.py) on `device`:
+    a chain of `storages` small ops, each output offloaded and saved by the next, run forward and backward
+    under the real hooks and without them; the fastest of `repeats` each, the difference per storage
+    (at least `MIN_FIXED_S`). Host time only: the copies' device time is `measure_latency_cuda`'s."""
+    from ..lower.offload import OffloadHooks, OffloadTarget, offload_begin, offload_mark
+
+    numel = LATENCY_BYTES // 4  # float32 elements of one small storage
+    targets = [OffloadTarget(storage=i, node=f"n{i}", output=0, nbytes=LATENCY_BYTES) for i in range(storages)]
+    hooks = OffloadHooks(targets)
+    x = torch.randn(numel, device=device, requires_grad=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run(offload: bool) -> tuple[float, float]:
+        sync()
+        t0 = time.perf_counter()
+        with hooks.step() if offload else contextlib.nullcontext():
+            h = x
+            for slot in range(storages):
+                if offload:
+                    offload_begin()
+                h = h.sin()  # sin saves its input: the next one saves this output, the offloaded storage
+                if offload:
+                    offload_mark(h, ((-1, slot),))
+            loss = h.sin().sum()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        sync()
+        return t1 - t0, t2 - t1
+
+    fast = {True: [float("inf")] * 2, False: [float("inf")] * 2}
+    for _ in range(repeats + 1):  # the first of each is a warm-up: the hooks' host buffers are made there
+        for offload in (False, True):
+            fwd, bwd = run(offload)
+            fast[offload] = [min(fast[offload][0], fwd), min(fast[offload][1], bwd)]
+    with_hooks, without = fast[True], fast[False]
+    return (max((with_hooks[0] - without[0]) / storages, MIN_FIXED_S),
+            max((with_hooks[1] - without[1]) / storages, MIN_FIXED_S))
 
 
 def _stored_or_measured(device: torch.device, store: bool) -> CopyBandwidth:
@@ -148,4 +275,4 @@ def offload_note(bandwidth: CopyBandwidth, host_budget_bytes: int) -> str | None
 def describe(bandwidth: CopyBandwidth) -> dict[str, Any]:
     """The bandwidth as the plan's stats record it."""
     return {"d2h_bytes_per_s": bandwidth.d2h_bytes_per_s, "h2d_bytes_per_s": bandwidth.h2d_bytes_per_s,
-            "source": bandwidth.source}
+            "d2h_fixed_s": bandwidth.d2h_fixed_s, "h2d_fixed_s": bandwidth.h2d_fixed_s, "source": bandwidth.source}
