@@ -474,11 +474,9 @@ def with_stage_figures(cost: CostGraph, figures: StageFigures, spans: tuple[Span
     """The fake profile `cost` with the stages' real figures: measured times (where timed), forward
     temporaries at least the allocator's, and the backward's workspaces added to its temporaries.
 
-    Where timed, the eager step (`step_time_s`) is the nodes' forward times and every stage's measured
-    backward, summed: the plain step is never run, and a backward is no fixed multiple of its forward (a
-    frozen layer makes no weight gradient). Where the step checkpointed per block fits the device,
-    choose/race/calibration.py takes the plain graph's forward under no_grad in the node times' place and
-    calibrates the node times on checkpointed steps."""
+    Where timed, the eager step (`step_time_s`) is the node times and every stage's measured backward,
+    summed (no plain step runs; a backward is no fixed multiple of its forward). Where the device has room,
+    choose/race/calibration.py puts the plain graph's forward under no_grad in the node times' place."""
     times = robust_times(figures.times) if figures.times else {}
     state = rng_state_bytes(torch.device(cost.device))
     nodes = tuple(
