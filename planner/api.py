@@ -55,7 +55,7 @@ def optimize(
     safety_margin: float = 0.02, own_checkpointing: str = "replace", on_larger_shape: str = "error",
     partial: bool = True, compile: bool = False, lowering: str = "best", check_step: bool = True, exact: bool = True,
     autotune: bool | int | None = None, progress: bool = False, exact_check: bool | None = None,
-    outputs: str = "all", host_budget_gb: float | None = None, offload_bandwidth: tuple[float, float] | None = None,
+    outputs: str = "all", host_budget_gb: float | None = None, offload_bandwidth: tuple[float, ...] | None = None,
 ) -> Plan:
     """Plan activation checkpointing for one training step of `model` within a memory budget.
 
