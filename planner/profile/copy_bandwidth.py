@@ -139,18 +139,27 @@ def measure_latency_cuda(device: torch.device, nbytes: int = LATENCY_BYTES, repe
     side = torch.cuda.Stream(device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = [float("inf"), float("inf")]
-    for way, (dst, src) in enumerate(((host, dev), (dev, host))):
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)  # warm-up
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(side)
-                dst.copy_(src, non_blocking=True)
-                end.record(side)
-                end.synchronize()
-                best[way] = min(best[way], max(start.elapsed_time(end) / 1e3, MIN_FIXED_S))
-    return best[0], best[1]
+    d2h, h2d = (_fastest_copy(dst, src, side, repeats) for dst, src in ((host, dev), (dev, host)))
+    # a copy too short for the events' resolution (inf: none measured) counts as the floor
+    return tuple(MIN_FIXED_S if t == float("inf") else max(t, MIN_FIXED_S) for t in (d2h, h2d))
+
+
+def _fastest_copy(dst: torch.Tensor, src: torch.Tensor, side: Any, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` copies of `src` into `dst` on the stream `side`, each timed with CUDA
+    events, after one untimed copy (the first maps the buffers); inf where none took measurable time."""
+    best = float("inf")
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(side)
+            dst.copy_(src, non_blocking=True)
+            end.record(side)
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            if seconds > 0:
+                best = min(best, seconds)
+    return best
 
 
 def measure_hooks(device: torch.device, storages: int = HOOK_STORAGES, repeats: int = REPEATS) -> tuple[float, float]:
@@ -222,17 +231,7 @@ def measure_cuda(device: torch.device, sizes: tuple[int, ...] = SIZES, repeats: 
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(size, dtype=torch.uint8, device=device)
         for way, (dst, src) in enumerate(((host, dev), (dev, host))):
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)  # warm-up: the first copy maps the buffers
-                for _ in range(repeats):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(side)
-                    dst.copy_(src, non_blocking=True)
-                    end.record(side)
-                    end.synchronize()
-                    seconds = start.elapsed_time(end) / 1e3
-                    if seconds > 0:
-                        best[way] = max(best[way], size / seconds)
+            best[way] = max(best[way], size / _fastest_copy(dst, src, side, repeats))
         del host, dev
     if not all(b > 0 for b in best):
         raise RuntimeError("no copy was timed")
