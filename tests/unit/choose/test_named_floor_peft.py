@@ -4,8 +4,8 @@ floor it would name is the same one: the floor does not move with the budget ask
 peft's LoRA layers multiply their branch by a Python number (`scaling`, lora_alpha / r), which autograd
 keeps as a 0-dim tensor that no saved-tensor hook sees (profile/backward.py counts them: 8 B each). The
 floor is counted with them in the fixed bytes on the stage-wise profile (the refusal, below the plain
-step) as on the one at the named budget. A VGG of conv-BN-ReLU(inplace) stacks, as the conformance
-matrix's `tv_vgg`, is refused at half its activation memory.
+step) as on the one at the named budget. The conformance matrix's `tv_vgg` (conv-BN-ReLU(inplace) stacks)
+is refused at half its activation memory.
 """
 
 from __future__ import annotations
@@ -19,31 +19,16 @@ from ckpt_planner.profile.profiler import ProfileConfig
 from ckpt_planner.verification import verify
 from torch import nn
 
+from benchmarks.conformance_models import TVVGG
+
 peft = pytest.importorskip("peft")
 
 FLOPS = ProfileConfig(warmup=0, repeats=1, flop_times=True)
 
 
-class _VGG(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        layers, cin = [], 3
-        for v in (16, 16, "M", 32, 32, "M", 64, "M"):
-            if v == "M":
-                layers.append(nn.MaxPool2d(2))
-            else:
-                layers += [nn.Conv2d(cin, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(inplace=True)]
-                cin = v
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Sequential(nn.Linear(cin * 16, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, 3, 32, 32] -> logits [B, 10]
-        return self.classifier(torch.flatten(self.features(x), 1))
-
-
 def _lora_vgg() -> tuple[nn.Module, tuple[torch.Tensor]]:
     torch.manual_seed(0)
-    model = _VGG()
+    model = TVVGG()
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=names, lora_dropout=0.0))
     return model.train(), (torch.randn(4, 3, 32, 32),)
