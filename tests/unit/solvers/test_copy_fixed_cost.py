@@ -12,11 +12,10 @@ import pytest
 from ckpt_planner.solvers import Problem, simulate, solve
 from ckpt_planner.solvers.copies import d2h_seconds, h2d_seconds, normalize_offloaded, offloadable, timing
 from ckpt_planner.solvers.offload import choose_offloads
-from ckpt_planner.solvers.simulate import replay
 
-from .test_offload import INF, chain, mlp, off_figures, offloading
+from .test_offload import INF, chain, mlp, offloading, sweeps_match_replays
 from .test_solvers_problems import random_chain, random_dag
-from .test_solvers_simulate import kept_ops, nested_plan, with_costs
+from .test_solvers_simulate import with_costs
 
 
 def fixed(problem: Problem, seconds: float) -> Problem:
@@ -65,12 +64,7 @@ def test_sweep_equals_replay_with_fixed_costs(seed):
     base = random_dag(rng, rng.randint(1, 12)) if seed % 2 else random_chain(rng, rng.randint(1, 10))
     problem = offloading(with_costs(rng, base), rng.choice([3.0, 40.0, INF]))
     problem = dataclasses.replace(problem, d2h_fixed_s=rng.choice([0.01, 0.3, 2.0]), h2d_fixed_s=rng.choice([0.05, 1.0]))
-    for _ in range(4):
-        regions = nested_plan(rng, problem)
-        saved = kept_ops(rng, problem, regions)
-        offloaded = [t for t in offloadable(problem, regions, saved) if rng.random() < 0.6]
-        sweep = simulate(problem, regions, saved=saved, offloaded=offloaded)
-        assert off_figures(sweep) == off_figures(replay(problem, regions, saved=saved, offloaded=offloaded))
+    assert len(sweeps_match_replays(rng, problem, rounds=4)) == 4
 
 
 def _budget(problem: Problem) -> int:

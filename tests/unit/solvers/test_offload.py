@@ -56,18 +56,27 @@ def off_figures(sim) -> tuple:
     return (*figures(sim), sim.offload_time, sim.host_bytes)
 
 
+def sweeps_match_replays(rng: random.Random, problem: Problem, rounds: int) -> list:
+    """`rounds` random nested plans with random offloads, each simulated by the fast sweep and the step-by-step
+    replay, which must give the same figures; each plan's (sweep's result, regions, kept ops)."""
+    sims = []
+    for _ in range(rounds):
+        regions = nested_plan(rng, problem)
+        saved = kept_ops(rng, problem, regions)
+        offloaded = [t for t in offloadable(problem, regions, saved) if rng.random() < 0.6]
+        sweep = simulate(problem, regions, saved=saved, offloaded=offloaded)
+        assert off_figures(sweep) == off_figures(replay(problem, regions, saved=saved, offloaded=offloaded))
+        sims.append((sweep, regions, saved))
+    return sims
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_sweep_equals_replay_with_offloads(seed):
     rng = random.Random(seed)
     base = random_dag(rng, rng.randint(1, 14)) if seed % 2 else random_chain(rng, rng.randint(1, 10))
     problem = offloading(with_costs(rng, base), rng.choice([0.7, 3.0, 40.0, INF]))
     problem = dataclasses.replace(problem, h2d_bytes_per_s=rng.choice([problem.d2h_bytes_per_s, 2.0, INF]))
-    for _ in range(6):
-        regions = nested_plan(rng, problem)
-        saved = kept_ops(rng, problem, regions)
-        offloaded = [t for t in offloadable(problem, regions, saved) if rng.random() < 0.6]
-        sweep = simulate(problem, regions, saved=saved, offloaded=offloaded)
-        assert off_figures(sweep) == off_figures(replay(problem, regions, saved=saved, offloaded=offloaded))
+    for sweep, regions, saved in sweeps_match_replays(rng, problem, rounds=6):
         assert sweep.recompute_time == simulate(problem, regions, saved=saved).recompute_time + sweep.offload_time or (
             sweep.offload_time == 0
         )
