@@ -145,6 +145,7 @@ def section_conformance(sizes: dict, dry: bool, emit, log) -> None:
     """The held-out models, then EXTRA, each on every path, while the section's time lasts."""
     import torch
 
+    from benchmarks.conformance_models import HELD_OUT
     from benchmarks.gpu import _device, _free, _where, time_left
 
     device = _device(dry)
@@ -158,8 +159,6 @@ def section_conformance(sizes: dict, dry: bool, emit, log) -> None:
                 row = _cell(name, path, device, dry)
             except Exception as e:  # noqa: BLE001 - a cell's failure is its row
                 row = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "where": _where(3)}
-            from benchmarks.conformance_models import HELD_OUT
-
             emit({"model": name, "path": path, "held_out": name in HELD_OUT, "seconds": time.perf_counter() - t0, **row})
             log(f"conformance: {name} {path}: {row.get('prediction_error', row.get('failed'))} "
                 f"overhead {row.get('predicted_overhead')} vs {row.get('measured_overhead')}")
